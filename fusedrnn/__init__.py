@@ -1,0 +1,18 @@
+"""fusedrnn: one fused RNN operator (MXNet `RNN` semantics) for numpy arrays.
+
+    out, hy, cy = fusedrnn.RNN(data, params, h0, c0, state_size=H, num_layers=L,
+                               mode="lstm", state_outputs=True)
+
+See README.md for training (RNN(..., train=True) + rnn_backward), the parameter
+layout (fusedrnn.param_layout) and the op cache.
+"""
+from .cache import CacheInfo, cache_info, clear_cache, set_cache_limits
+from .config import MODES, RNNConfig
+from .layout import ParamLayout, param_layout, param_size
+from .op import RNN, RNNGradients, TrainingHandle, rnn_backward
+
+__version__ = "0.1.0"
+
+__all__ = ["RNN", "rnn_backward", "RNNGradients", "TrainingHandle", "param_size",
+           "param_layout", "ParamLayout", "RNNConfig", "MODES", "cache_info", "clear_cache",
+           "set_cache_limits", "CacheInfo", "__version__"]

@@ -1,0 +1,103 @@
+"""A thread-local, bounded LRU cache of op instances.
+
+Each thread has its own cache, so an op's scratch buffers are only ever used by one
+call at a time. Entries are keyed by everything that shapes a plan (backend, device,
+config, T, N, dtype); an entry holds the compiled kernels, its scratch buffers and its
+pool of recycled training reserves. A reserve handed to a training forward is owned by
+that forward's handle until backward returns it, so eviction or a later forward never
+touches it.
+
+Limits (per thread): at most `max_entries` ops and `max_bytes` of their buffers; the
+least recently used ops are dropped first. Defaults: 32 entries, 1 GiB.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["CacheInfo", "cache_info", "clear_cache", "set_cache_limits", "thread_cache"]
+
+_limits = {"max_entries": 32, "max_bytes": 1 << 30}
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    nbytes: int
+    max_entries: int
+    max_bytes: int
+
+
+class OpCache:
+    def __init__(self):
+        self._ops = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key, build):
+        op = self._ops.get(key)
+        if op is not None:
+            self.hits += 1
+            self._ops.move_to_end(key)
+            return op
+        self.misses += 1
+        op = build()  # if this raises, nothing was inserted
+        self._ops[key] = op
+        self.trim(keep=key)
+        return op
+
+    def nbytes(self):
+        return sum(op.nbytes for op in self._ops.values())
+
+    def trim(self, keep=None):
+        """Evict least-recently-used ops until within limits (never `keep`)."""
+        while len(self._ops) > 1 and (len(self._ops) > _limits["max_entries"]
+                                      or self.nbytes() > _limits["max_bytes"]):
+            oldest = next(iter(self._ops))
+            if oldest == keep:
+                break
+            del self._ops[oldest]
+            self.evictions += 1
+
+    def clear(self):
+        self._ops.clear()
+
+    def info(self):
+        return CacheInfo(self.hits, self.misses, self.evictions, len(self._ops), self.nbytes(),
+                         _limits["max_entries"], _limits["max_bytes"])
+
+
+_local = threading.local()
+
+
+def thread_cache() -> OpCache:
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        cache = _local.cache = OpCache()
+    return cache
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses, evictions, entries and bytes of the calling thread's op cache."""
+    return thread_cache().info()
+
+
+def clear_cache() -> None:
+    """Drop every cached op of the calling thread (outstanding training handles keep
+    their own reserves and stay valid)."""
+    thread_cache().clear()
+
+
+def set_cache_limits(max_entries: int | None = None, max_bytes: int | None = None) -> None:
+    """Set the per-thread limits (all threads); the calling thread's cache is trimmed now,
+    others at their next miss."""
+    for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        _limits[name] = value
+    thread_cache().trim()

@@ -1,0 +1,133 @@
+"""The flat parameter vector: sizes, named views, and torch state_dict conversion.
+
+Layout (MXNet's and cuDNN's): all weights of all layers first, then all biases.
+For each layer l and direction d, in that order: W_x (G*H, In_l), W_h (G*H, R) and,
+with projection, W_r (R, H), all row-major; then for each (l, d): b_x (G*H,),
+b_h (G*H,). In_l = I for layer 0 and D*R above it. Weights act as W @ x, the
+same convention as torch.nn, so torch's weight_ih/weight_hh/bias_ih/bias_hh/
+weight_hr map one to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .config import RNNConfig
+
+__all__ = ["ParamLayout", "param_size", "param_layout"]
+
+WEIGHT_KINDS = ("W_x", "W_h", "W_r")
+BIAS_KINDS = ("b_x", "b_h")
+_TORCH_NAMES = {"W_x": "weight_ih", "W_h": "weight_hh", "W_r": "weight_hr",
+                "b_x": "bias_ih", "b_h": "bias_hh"}
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Offsets and shapes of every block of one config's flat parameter vector."""
+
+    config: RNNConfig
+
+    @cached_property
+    def blocks(self) -> dict[tuple[int, int, str], tuple[int, tuple[int, ...]]]:
+        """(layer, direction, kind) -> (offset, shape), in storage order."""
+        cfg = self.config
+        gh, h, r = cfg.gate_rows, cfg.state_size, cfg.recurrent_size
+        out, offset = {}, 0
+
+        def put(key, shape):
+            nonlocal offset
+            out[key] = (offset, shape)
+            offset += int(np.prod(shape))
+
+        for layer in range(cfg.num_layers):
+            for d in range(cfg.directions):
+                put((layer, d, "W_x"), (gh, cfg.layer_input_size(layer)))
+                put((layer, d, "W_h"), (gh, r))
+                if cfg.projection_size:
+                    put((layer, d, "W_r"), (r, h))
+        for layer in range(cfg.num_layers):
+            for d in range(cfg.directions):
+                put((layer, d, "b_x"), (gh,))
+                put((layer, d, "b_h"), (gh,))
+        return out
+
+    @cached_property
+    def size(self) -> int:
+        offset, shape = list(self.blocks.values())[-1]
+        return offset + int(np.prod(shape))
+
+    def view(self, flat, layer: int, direction: int, kind: str):
+        """A view (no copy) of one block of `flat`; works for numpy and CuPy arrays."""
+        offset, shape = self.blocks[(layer, direction, kind)]
+        return flat[offset:offset + int(np.prod(shape))].reshape(shape)
+
+    def views(self, flat) -> dict[tuple[int, int, str], object]:
+        """Every block of `flat` as a view, keyed (layer, direction, kind)."""
+        return {key: self.view(flat, *key) for key in self.blocks}
+
+    @staticmethod
+    def torch_name(layer: int, direction: int, kind: str) -> str:
+        return f"{_TORCH_NAMES[kind]}_l{layer}" + ("_reverse" if direction else "")
+
+    def to_torch_state_dict(self, flat) -> dict[str, np.ndarray]:
+        """torch.nn.RNN/LSTM/GRU state_dict entries (as numpy copies) from a flat vector.
+
+        Wrap with torch.from_numpy (or `{k: torch.tensor(v) ...}`) for load_state_dict.
+        """
+        flat = np.asarray(flat)
+        self._check_flat(flat)
+        return {self.torch_name(*key): np.array(self.view(flat, *key)) for key in self.blocks}
+
+    def from_torch_state_dict(self, state_dict, dtype=None) -> np.ndarray:
+        """A flat vector from a torch.nn.RNN/LSTM/GRU state_dict (tensors or arrays).
+
+        A module built with bias=False has no bias entries: its biases become zeros.
+        """
+        names = {self.torch_name(*key): key for key in self.blocks}
+        has_bias = any(k.startswith("bias_") for k in state_dict)
+        missing = [n for n, key in names.items()
+                   if n not in state_dict and (has_bias or key[2] not in BIAS_KINDS)]
+        unknown = sorted(set(state_dict) - set(names))
+        if missing or unknown:
+            raise ValueError(f"state_dict does not match {self.config}: "
+                             f"missing {missing}, unexpected {unknown}")
+        first = _to_numpy(next(iter(state_dict.values())))
+        flat = np.zeros(self.size, dtype=dtype or first.dtype)
+        for name, key in names.items():
+            if name not in state_dict:
+                continue
+            value = _to_numpy(state_dict[name])
+            _, shape = self.blocks[key]
+            if value.shape != shape:
+                raise ValueError(f"state_dict[{name!r}]: expected shape {shape}, got {value.shape}")
+            self.view(flat, *key)[...] = value
+        return flat
+
+    def _check_flat(self, flat):
+        if flat.shape != (self.size,):
+            raise ValueError(f"parameters: expected shape ({self.size},), got {flat.shape}")
+
+
+def _to_numpy(value) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor, on any device
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def param_layout(*, mode: str, input_size: int, state_size: int, num_layers: int = 1,
+                 bidirectional: bool = False, projection_size: int | None = None) -> ParamLayout:
+    """The layout of one configuration's flat parameter vector."""
+    from .validate import check_config
+    return ParamLayout(check_config(mode, input_size, state_size, num_layers,
+                                    bidirectional, projection_size))
+
+
+def param_size(*, mode: str, input_size: int, state_size: int, num_layers: int = 1,
+               bidirectional: bool = False, projection_size: int | None = None) -> int:
+    """Length of the flat parameter vector (MXNet's formula, see the spec)."""
+    return param_layout(mode=mode, input_size=input_size, state_size=state_size,
+                        num_layers=num_layers, bidirectional=bidirectional,
+                        projection_size=projection_size).size

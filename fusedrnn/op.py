@@ -1,0 +1,134 @@
+"""The operator: validate -> look up the cached op -> backend forward / backward."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .cache import thread_cache
+from .recurrence import RecurrentOp
+from .validate import check_call
+
+__all__ = ["RNN", "rnn_backward", "TrainingHandle", "RNNGradients"]
+
+
+def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, state_size,
+        num_layers, mode, bidirectional=False, p=0.0, state_outputs=False,
+        projection_size=None, lstm_state_clip_min=None, lstm_state_clip_max=None,
+        lstm_state_clip_nan=False, use_sequence_length=False, train=False):
+    """MXNet's RNN operator: the whole sequence, all layers and directions, in one call.
+
+    data (T, N, I); parameters: the flat vector (see fusedrnn.layout); state
+    (L*D, N, R) and, for LSTM, state_cell (L*D, N, H), zeros when None.
+    Returns out, or (out, hy) / (out, hy, cy) with state_outputs=True. With
+    train=True a TrainingHandle is appended; pass it to rnn_backward.
+    """
+    backend = _backend_for(data)
+    call = check_call(data, parameters, state, state_cell, sequence_length,
+                      state_size=state_size, num_layers=num_layers, mode=mode,
+                      bidirectional=bidirectional, p=p, state_outputs=state_outputs,
+                      projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
+                      lstm_state_clip_max=lstm_state_clip_max,
+                      lstm_state_clip_nan=lstm_state_clip_nan,
+                      use_sequence_length=use_sequence_length, train=train)
+    key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
+           call.dtype.str)
+    op = _cached_op(backend, key, call)
+    reserve = op.take_reserve() if train else None
+    out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell, reserve)
+    outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
+    if train:
+        outputs += (TrainingHandle(backend, key, call, reserve),)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+class RNNGradients(NamedTuple):
+    data: object
+    parameters: object
+    state: object       # None when the forward had no `state`
+    state_cell: object  # None unless LSTM with a `state_cell`
+
+
+class TrainingHandle:
+    """What one training forward keeps for its backward.
+
+    Owns its reserve (states, gate activations and layer inputs of every step) until
+    rnn_backward runs or `release()` is called; no other call writes into it. It also
+    refers to the forward's data, parameters and states, which must not be modified
+    before backward.
+    """
+
+    def __init__(self, backend, key, call, reserve):
+        self._backend, self._key, self._call, self._reserve = backend, key, call, reserve
+
+    @property
+    def released(self) -> bool:
+        return self._reserve is None
+
+    def release(self) -> None:
+        """Give the reserve back for reuse; backward is no longer possible."""
+        if self._reserve is not None:
+            op = _cached_op(self._backend, self._key, self._call)
+            op.give_back_reserve(self._reserve)
+            self._reserve = None
+
+
+def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNGradients:
+    """Gradients of sum(out*dout) + sum(hy*dhy) + sum(cy*dcy) w.r.t. the forward's inputs.
+
+    Head gradients that are None count as zero; dhy/dcy need state_outputs=True. The
+    handle is released afterwards unless retain=True (to run backward again).
+    """
+    if not isinstance(handle, TrainingHandle):
+        raise TypeError(f"handle: expected the TrainingHandle of RNN(..., train=True), "
+                        f"got {type(handle).__name__}")
+    if handle.released:
+        raise RuntimeError("handle: already released (backward ran, or release() was called); "
+                           "run RNN(..., train=True) again, or pass retain=True to backward")
+    call, cfg = handle._call, handle._call.config
+    T, N, D, R = call.seq_len, call.batch, cfg.directions, cfg.recurrent_size
+    LD = cfg.num_layers * D
+    dout = _head_grad("dout", dout, (T, N, D * R), call, True)
+    dhy = _head_grad("dhy", dhy, (LD, N, R), call, call.state_outputs)
+    dcy = _head_grad("dcy", dcy, (LD, N, cfg.state_size), call,
+                     call.state_outputs and cfg.cell.has_cell_state)
+    op = _cached_op(handle._backend, handle._key, call)
+    g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
+                                               call.state, call.state_cell, dout, dhy, dcy)
+    if not retain:
+        handle.release()
+    return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,
+                        g_c0 if call.state_cell is not None else None)
+
+
+def _cached_op(backend, key, call):
+    return thread_cache().get(key, lambda: RecurrentOp(backend, call.config, call.seq_len,
+                                                       call.batch, call.dtype))
+
+
+def _head_grad(name, value, shape, call, allowed):
+    if value is None:
+        return None
+    if not allowed:
+        raise ValueError(f"{name}: this forward has no such output (state_outputs="
+                         f"{call.state_outputs}, mode={call.config.mode!r}); pass None")
+    if type(value) is not type(call.data):
+        raise TypeError(f"{name}: expected {type(call.data).__name__} like data, "
+                        f"got {type(value).__name__}")
+    if value.dtype != call.dtype or value.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} and dtype {call.dtype}, "
+                         f"got {value.shape} {value.dtype}")
+    return np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+
+
+def _backend_for(data):
+    if isinstance(data, np.ndarray):
+        from .cpu import BACKEND
+        return BACKEND
+    module = type(data).__module__.split(".")[0]
+    if module == "cupy":
+        raise NotImplementedError("data: CuPy arrays (the GPU backend) are not implemented yet")
+    if module == "torch":
+        raise NotImplementedError("data: torch tensors (fusedrnn.torch) are not implemented yet")
+    raise TypeError(f"data: expected a numpy.ndarray, got {type(data).__module__}."
+                    f"{type(data).__name__}")

@@ -1,0 +1,137 @@
+"""Argument checking: every bad input becomes a TypeError/ValueError naming the
+argument, what was expected and what came, before any backend sees it."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import MODES, RNNConfig
+
+__all__ = ["check_config", "check_call", "CheckedCall"]
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return int(value)
+
+
+def _bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if projection_size is not None:
+        projection_size = _positive_int("projection_size", projection_size)
+        if mode != "lstm":
+            raise ValueError(f"projection_size: only mode='lstm' has a projection, got mode={mode!r}")
+    return RNNConfig(mode=mode,
+                     input_size=_positive_int("input_size (data.shape[2])", input_size),
+                     state_size=_positive_int("state_size", state_size),
+                     num_layers=_positive_int("num_layers", num_layers),
+                     bidirectional=_bool("bidirectional", bidirectional),
+                     projection_size=projection_size)
+
+
+@dataclass
+class CheckedCall:
+    config: RNNConfig
+    data: object
+    parameters: object
+    state: object
+    state_cell: object
+    state_outputs: bool
+    p: float
+
+    @property
+    def seq_len(self):
+        return self.data.shape[0]
+
+    @property
+    def batch(self):
+        return self.data.shape[1]
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+
+def _array(name, value, ndim, dtype=None):
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray (or a CuPy array on GPU), "
+                        f"got {type(value).__module__}.{type(value).__name__}")
+    if value.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {value.shape}")
+    if dtype is None:
+        if value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32 or float64, got {value.dtype}")
+    elif value.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (data's dtype), got {value.dtype}")
+    # Strided and negative-stride inputs are read through one contiguous copy.
+    return np.ascontiguousarray(value)
+
+
+def check_call(data, parameters, state, state_cell, sequence_length, *, state_size, num_layers,
+               mode, bidirectional, p, state_outputs, projection_size, lstm_state_clip_min,
+               lstm_state_clip_max, lstm_state_clip_nan, use_sequence_length, train) -> CheckedCall:
+    data = _array("data", data, 3)
+    if min(data.shape) < 1:
+        raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
+    cfg = check_config(mode, data.shape[2], state_size, num_layers, bidirectional, projection_size)
+    state_outputs = _bool("state_outputs", state_outputs)
+    _bool("train", train)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p: expected a float in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
+
+    # Features that are specified but not built yet say so, naming the argument.
+    if projection_size is not None:
+        raise NotImplementedError("projection_size: LSTM projection is not implemented yet")
+    if lstm_state_clip_min is not None or lstm_state_clip_max is not None or lstm_state_clip_nan:
+        raise NotImplementedError("lstm_state_clip_min/lstm_state_clip_max/lstm_state_clip_nan: "
+                                  "cell-state clipping is not implemented yet")
+    if _bool("use_sequence_length", use_sequence_length):
+        raise NotImplementedError("use_sequence_length: variable sequence lengths are not "
+                                  "implemented yet")
+    if sequence_length is not None:
+        raise ValueError("sequence_length: given, but use_sequence_length=False; "
+                         "pass use_sequence_length=True to use it")
+    if train and p > 0 and cfg.num_layers > 1:
+        raise NotImplementedError("p: dropout between layers in training is not implemented yet")
+
+    T, N, _ = data.shape
+    LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
+    from .layout import ParamLayout
+    expected = ParamLayout(cfg).size
+    parameters = _array("parameters", parameters, 1, data.dtype)
+    if parameters.shape[0] != expected:
+        raise ValueError(
+            f"parameters: expected {expected} elements for {cfg.mode} with I={cfg.input_size}, "
+            f"H={H}, num_layers={cfg.num_layers}, directions={cfg.directions} "
+            f"(D*G*H*(I+H+2) + (L-1)*D*G*H*(D*H+H+2)), got {parameters.shape[0]}")
+    if state is not None:
+        state = _array("state", state, 3, data.dtype)
+        if state.shape != (LD, N, R):
+            raise ValueError(f"state: expected shape (num_layers*directions, N, R) = "
+                             f"{(LD, N, R)}, got {state.shape}")
+    if cfg.cell.has_cell_state:
+        if state_cell is not None:
+            state_cell = _array("state_cell", state_cell, 3, data.dtype)
+            if state_cell.shape != (LD, N, H):
+                raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "
+                                 f"{(LD, N, H)}, got {state_cell.shape}")
+    elif state_cell is not None:
+        raise ValueError(f"state_cell: only mode='lstm' has a cell state, got one for "
+                         f"mode={cfg.mode!r}")
+    return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, float(p))
