@@ -53,13 +53,13 @@ def cell(mode, x, h, c, wx, wh, bx, bh):
     return (1.0 - z) * n + z * h, c
 
 
-def rnn_reference(data, params, state=None, state_cell=None, *, mode, state_size,
+def rnn_reference(data, parameters, state=None, state_cell=None, *, mode, state_size,
                   num_layers, bidirectional=False):
     """Returns (out, hy, cy) in float64; cy is None unless LSTM."""
     data = np.asarray(data, dtype=np.float64)
     T, N, I = data.shape
     H, L, D = state_size, num_layers, 2 if bidirectional else 1
-    weights = split_params(params, mode, I, H, L, D)
+    weights = split_params(parameters, mode, I, H, L, D)
     h0 = np.zeros((L * D, N, H)) if state is None else np.asarray(state, np.float64)
     c0 = np.zeros((L * D, N, H)) if state_cell is None else np.asarray(state_cell, np.float64)
     hy, cy = np.zeros((L * D, N, H)), np.zeros((L * D, N, H))
@@ -79,9 +79,9 @@ def rnn_reference(data, params, state=None, state_cell=None, *, mode, state_size
     return x, hy, (cy if mode == "lstm" else None)
 
 
-def loss_reference(data, params, state, state_cell, heads, **kwargs):
+def loss_reference(data, parameters, state, state_cell, heads, **kwargs):
     """sum(out*dout) + sum(hy*dhy) + sum(cy*dcy), terms with a None head dropped."""
-    outputs = rnn_reference(data, params, state, state_cell, **kwargs)
+    outputs = rnn_reference(data, parameters, state, state_cell, **kwargs)
     return sum(float(np.sum(o * g)) for o, g in zip(outputs, heads) if g is not None)
 
 

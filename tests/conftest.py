@@ -1,0 +1,75 @@
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
+
+import fusedrnn  # noqa: E402
+from fusedrnn.cpu import CpuBackend  # noqa: E402
+from reference import GATES  # noqa: E402
+
+MODES = ("rnn_relu", "rnn_tanh", "lstm", "gru")
+GOLDEN_DIR = Path(os.environ.get("FUSEDRNN_GOLDEN_DIR",
+                                  Path(__file__).resolve().parents[2] / "shared" / "golden"))
+
+
+def _poisoned_numpy():
+    """numpy, except that every array from empty() starts as NaN."""
+    def empty(shape, dtype=float, **kwargs):
+        a = np.empty(shape, dtype=dtype, **kwargs)
+        a.fill(np.nan)
+        return a
+    members = {k: getattr(np, k) for k in dir(np) if not k.startswith("__")}
+    return types.SimpleNamespace(**dict(members, empty=empty))
+
+
+POISONED_NUMPY = _poisoned_numpy()
+
+
+@pytest.fixture(autouse=True)
+def poison_buffers(monkeypatch):
+    """Every buffer the CPU backend allocates (outputs, gradients, scratch, reserves)
+    starts as NaN, so an element the op forgets to write shows up in the result."""
+    fusedrnn.clear_cache()
+    monkeypatch.setattr(CpuBackend, "xp", POISONED_NUMPY)
+    yield
+    fusedrnn.clear_cache()
+
+
+def param_count(mode, I, H, L, D):
+    G = GATES[mode]
+    return D * G * H * (I + H + 2) + (L - 1) * D * G * H * (D * H + H + 2)
+
+
+def make_case(mode, T=4, N=3, I=5, H=6, L=1, D=1, dtype=np.float64, seed=0, states=True):
+    """Fresh seeded random inputs (never zeros) for one configuration, as a dict."""
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / np.sqrt(H)
+    case = dict(
+        data=rng.standard_normal((T, N, I)).astype(dtype),
+        parameters=rng.uniform(-scale, scale, param_count(mode, I, H, L, D)).astype(dtype),
+        state=(0.5 * rng.standard_normal((L * D, N, H))).astype(dtype) if states else None,
+        state_cell=((0.5 * rng.standard_normal((L * D, N, H))).astype(dtype)
+                    if states and mode == "lstm" else None),
+    )
+    kwargs = dict(mode=mode, state_size=H, num_layers=L, bidirectional=D == 2)
+    heads = dict(dout=rng.standard_normal((T, N, D * H)).astype(dtype),
+                 dhy=rng.standard_normal((L * D, N, H)).astype(dtype),
+                 dcy=rng.standard_normal((L * D, N, H)).astype(dtype) if mode == "lstm" else None)
+    return case, kwargs, heads
+
+
+def rel_err(actual, expected):
+    """max |actual - expected| / max |expected| (NaN anywhere counts as infinite error)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-300)
+    return np.inf if np.isnan(err) else err
+
+
+def tolerance(dtype):
+    return 1e-10 if np.dtype(dtype) == np.float64 else 1e-5

@@ -1,0 +1,58 @@
+"""fusedrnn.RNN against torch.nn.RNN/LSTM/GRU with the same weights (state_dict mapped)."""
+import numpy as np
+import pytest
+
+import fusedrnn
+from conftest import MODES, make_case, rel_err, tolerance
+
+import torch  # noqa: E402  (installed by the `test` extra)
+
+
+def torch_module(mode, I, H, L, D, dtype):
+    common = dict(input_size=I, hidden_size=H, num_layers=L, bidirectional=D == 2)
+    if mode == "lstm":
+        module = torch.nn.LSTM(**common)
+    elif mode == "gru":
+        module = torch.nn.GRU(**common)
+    else:
+        module = torch.nn.RNN(**common, nonlinearity=mode[4:])
+    return module.to(torch.float64 if dtype == np.float64 else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_torch_forward_and_backward(mode, L, D, dtype):
+    T, N, I, H = 6, 4, 5, 7
+    case, kw, heads = make_case(mode, T=T, N=N, I=I, H=H, L=L, D=D, dtype=dtype, seed=L + 3 * D)
+    module = torch_module(mode, I, H, L, D, dtype)
+    layout = fusedrnn.param_layout(mode=mode, input_size=I, state_size=H, num_layers=L,
+                                   bidirectional=D == 2)
+    module.load_state_dict({k: torch.from_numpy(v)
+                            for k, v in layout.to_torch_state_dict(case["parameters"]).items()})
+
+    *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
+    grads = fusedrnn.rnn_backward(handle, **heads)
+
+    x = torch.from_numpy(case["data"]).requires_grad_()
+    h0 = torch.from_numpy(case["state"]).requires_grad_()
+    if mode == "lstm":
+        c0 = torch.from_numpy(case["state_cell"]).requires_grad_()
+        t_out, (t_hy, t_cy) = module(x, (h0, c0))
+        t_outs, inputs = (t_out, t_hy, t_cy), (x, h0, c0)
+    else:
+        t_out, t_hy = module(x, h0)
+        t_outs, inputs = (t_out, t_hy), (x, h0)
+    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(t_outs, ("dout", "dhy", "dcy")))
+    loss.backward()
+
+    tol = tolerance(dtype)
+    for ours, theirs in zip(outs, t_outs):
+        assert rel_err(ours, theirs.detach().numpy()) <= tol
+    assert rel_err(grads.data, x.grad.numpy()) <= tol
+    assert rel_err(grads.state, h0.grad.numpy()) <= tol
+    if mode == "lstm":
+        assert rel_err(grads.state_cell, c0.grad.numpy()) <= tol
+    torch_grads = {k: p.grad.numpy() for k, p in module.named_parameters()}
+    assert rel_err(grads.parameters, layout.from_torch_state_dict(torch_grads)) <= tol
