@@ -64,6 +64,7 @@ class OpCache:
 
     def clear(self):
         self._ops.clear()
+        self.hits = self.misses = self.evictions = 0
 
     def info(self):
         return CacheInfo(self.hits, self.misses, self.evictions, len(self._ops), self.nbytes(),
@@ -86,8 +87,8 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached op of the calling thread (outstanding training handles keep
-    their own reserves and stay valid)."""
+    """Drop every cached op of the calling thread and zero its statistics (outstanding
+    training handles keep their own reserves and stay valid)."""
     thread_cache().clear()
 
 

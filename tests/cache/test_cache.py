@@ -1,0 +1,132 @@
+"""The thread-local op cache and the per-call training reserve rule."""
+import threading
+
+import numpy as np
+import pytest
+
+import fusedrnn
+from conftest import make_case, rel_err
+from reference import finite_difference, loss_reference
+
+
+@pytest.fixture
+def limits():
+    yield fusedrnn.set_cache_limits
+    fusedrnn.set_cache_limits(max_entries=32, max_bytes=1 << 30)
+
+
+def test_hits_and_misses_by_key():
+    case, kw, _ = make_case("lstm")
+    fusedrnn.RNN(**case, **kw)
+    fusedrnn.RNN(**case, **kw)
+    info = fusedrnn.cache_info()
+    assert (info.misses, info.hits, info.entries) == (1, 1, 1)
+    fusedrnn.RNN(**dict(case, data=case["data"][:2]), **kw)              # another T
+    fusedrnn.RNN(**{k: None if v is None else v.astype(np.float32) for k, v in case.items()},
+                 **kw)                                                    # another dtype
+    assert fusedrnn.cache_info().entries == 3
+    fusedrnn.clear_cache()
+    assert fusedrnn.cache_info().entries == 0
+
+
+def test_lru_bound_on_entries(limits):
+    limits(max_entries=2)
+    for T in (1, 2, 3, 1):
+        case, kw, _ = make_case("gru", T=T)
+        fusedrnn.RNN(**case, **kw)
+    info = fusedrnn.cache_info()
+    assert info.entries == 2 and info.evictions == 2 and info.misses == 4
+
+
+def test_bound_on_bytes_keeps_the_newest(limits):
+    limits(max_bytes=1)
+    for T in (5, 6):
+        case, kw, _ = make_case("gru", T=T)
+        expected = fusedrnn.RNN(**case, **kw)
+    info = fusedrnn.cache_info()
+    assert info.entries == 1 and info.evictions == 1
+    assert np.array_equal(fusedrnn.RNN(**case, **kw), expected)
+
+
+def test_two_training_forwards_before_backward_both_correct():
+    kw_case = [make_case("lstm", L=2, D=2, seed=s) for s in (1, 2)]
+    handles = [fusedrnn.RNN(**c, **kw, state_outputs=True, train=True)[-1]
+               for c, kw, _ in kw_case]
+    for handle, (case, kw, heads) in zip(reversed(handles), reversed(kw_case)):
+        grads = fusedrnn.rnn_backward(handle, **heads)
+        ref = finite_difference(lambda: loss_reference(**case, heads=list(heads.values()), **kw),
+                                case["parameters"])
+        assert rel_err(grads.parameters, ref) <= 1e-7
+
+
+def test_reserve_is_recycled_after_backward_only():
+    case, kw, heads = make_case("gru")
+    _, h1 = fusedrnn.RNN(**case, **kw, train=True)
+    _, h2 = fusedrnn.RNN(**case, **kw, train=True)
+    assert h1._reserve is not h2._reserve
+    reserve = h1._reserve
+    fusedrnn.rnn_backward(h1, heads["dout"])
+    assert h1.released
+    _, h3 = fusedrnn.RNN(**case, **kw, train=True)
+    assert h3._reserve is reserve            # the released one is reused ...
+    _, h4 = fusedrnn.RNN(**case, **kw, train=True)
+    assert h4._reserve is not h2._reserve    # ... never one still held
+
+
+def test_backward_twice_needs_retain():
+    case, kw, heads = make_case("rnn_tanh")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    first = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+    second = fusedrnn.rnn_backward(handle, heads["dout"])
+    assert np.array_equal(first.parameters, second.parameters)
+    with pytest.raises(RuntimeError, match="already released"):
+        fusedrnn.rnn_backward(handle, heads["dout"])
+
+
+def test_handle_survives_eviction_and_clear(limits):
+    case, kw, heads = make_case("lstm")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    expected = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+    fusedrnn.clear_cache()
+    limits(max_entries=1)
+    for T in (2, 3):
+        fusedrnn.RNN(**dict(case, data=case["data"][:T]), **kw)
+    got = fusedrnn.rnn_backward(handle, heads["dout"])
+    assert np.array_equal(got.parameters, expected.parameters)
+
+
+def test_each_thread_has_its_own_cache():
+    case, kw, _ = make_case("gru")
+    expected = fusedrnn.RNN(**case, **kw)
+    seen = {}
+
+    def worker():
+        seen["before"] = fusedrnn.cache_info().entries
+        seen["out"] = fusedrnn.RNN(**case, **kw)
+        seen["after"] = fusedrnn.cache_info().entries
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert (seen["before"], seen["after"]) == (0, 1)
+    assert np.array_equal(seen["out"], expected)
+    assert fusedrnn.cache_info().entries == 1
+
+
+def test_backward_in_another_thread_uses_that_threads_scratch():
+    case, kw, heads = make_case("lstm", L=2)
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    expected = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "g", fusedrnn.rnn_backward(handle, heads["dout"])))
+    thread.start()
+    thread.join()
+    assert np.array_equal(result["g"].parameters, expected.parameters)
+
+
+def test_limits_are_validated(limits):
+    with pytest.raises(ValueError, match="max_entries"):
+        limits(max_entries=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        limits(max_bytes=-5)

@@ -1,0 +1,104 @@
+"""Bad input gets a typed error naming the argument; unbuilt features say so."""
+import numpy as np
+import pytest
+
+import fusedrnn
+from conftest import make_case, rel_err
+from reference import rnn_reference
+
+CASE, KW, HEADS = make_case("lstm", L=2)
+
+
+def call(**changes):
+    args = dict(CASE, **KW)
+    args.update(changes)
+    return fusedrnn.RNN(**args)
+
+
+BAD = [
+    (dict(data=CASE["data"][0]), ValueError, r"data: expected 3 dimensions, got shape \(3, 5\)"),
+    (dict(data=CASE["data"].astype(np.int64)), TypeError, "data: expected dtype float32 or float64"),
+    (dict(data=CASE["data"].astype(np.complex128)), TypeError, "data: expected dtype float32"),
+    (dict(data=CASE["data"].tolist()), TypeError, "data: expected a numpy.ndarray.*list"),
+    (dict(data=CASE["data"][:0]), ValueError, r"data: .*T, N, I >= 1, got \(0, 3, 5\)"),
+    (dict(parameters=CASE["parameters"][:-1]), ValueError,
+     r"parameters: expected \d+ elements .*D\*G\*H\*\(I\+H\+2\).*got \d+"),
+    (dict(parameters=CASE["parameters"].astype(np.float32)), TypeError,
+     "parameters: expected dtype float64 .data's dtype., got float32"),
+    (dict(parameters=CASE["parameters"].reshape(1, -1)), ValueError, "parameters: expected 1 dim"),
+    (dict(state=CASE["state"][:1]), ValueError, r"state: expected shape .* = \(2, 3, 6\), got \(1, 3, 6\)"),
+    (dict(state_cell=CASE["state_cell"][:, :1]), ValueError, "state_cell: expected shape"),
+    (dict(mode="lstm2"), ValueError, "mode: expected one of rnn_relu, rnn_tanh, lstm, gru, got 'lstm2'"),
+    (dict(mode=None), ValueError, "mode: expected one of"),
+    (dict(state_size=6.0), TypeError, "state_size: expected a positive int, got float"),
+    (dict(state_size=0), ValueError, "state_size: expected a positive int, got 0"),
+    (dict(num_layers=True), TypeError, "num_layers: expected a positive int, got bool"),
+    (dict(bidirectional="yes"), TypeError, "bidirectional: expected a bool, got str"),
+    (dict(state_outputs=1), TypeError, "state_outputs: expected a bool"),
+    (dict(p=1.0), ValueError, r"p: expected a dropout probability in \[0, 1\), got 1.0"),
+    (dict(p=-0.1), ValueError, "p: expected a dropout probability"),
+    (dict(p="0.5"), TypeError, "p: expected a float"),
+    (dict(sequence_length=np.ones(3, np.int32)), ValueError,
+     "sequence_length: given, but use_sequence_length=False"),
+    (dict(mode="gru", state_cell=None, projection_size=3), ValueError,
+     "projection_size: only mode='lstm'"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD, ids=[m[:40] for _, _, m in BAD])
+def test_bad_input_raises_and_leaves_cache_usable(changes, error, message):
+    with pytest.raises(error, match=message):
+        call(**changes)
+    out = call()
+    assert rel_err(out, rnn_reference(**CASE, **KW)[0]) <= 1e-10
+
+
+def test_state_cell_is_lstm_only():
+    case, kw, _ = make_case("gru")
+    with pytest.raises(ValueError, match="state_cell: only mode='lstm'"):
+        fusedrnn.RNN(**dict(case, state_cell=CASE["state_cell"]), **kw)
+
+
+def test_state_dtype_must_match():
+    with pytest.raises(TypeError, match="state: expected dtype float64"):
+        call(state=CASE["state"].astype(np.float32))
+
+
+@pytest.mark.parametrize("changes, argument", [
+    (dict(projection_size=3), "projection_size"),
+    (dict(lstm_state_clip_min=-1.0, lstm_state_clip_max=1.0), "lstm_state_clip_min"),
+    (dict(lstm_state_clip_nan=True), "lstm_state_clip_nan"),
+    (dict(use_sequence_length=True, sequence_length=np.full(3, 4, np.int32)),
+     "use_sequence_length"),
+    (dict(p=0.5, train=True), "p: dropout"),
+])
+def test_unbuilt_features_raise_not_implemented(changes, argument):
+    with pytest.raises(NotImplementedError, match=argument):
+        call(**changes)
+
+
+def test_dropout_is_ignored_in_inference_and_for_one_layer():
+    assert np.array_equal(call(p=0.5), call())
+    case, kw, _ = make_case("gru", L=1)
+    out, _ = fusedrnn.RNN(**case, **kw, p=0.5, train=True)
+    assert np.array_equal(out, fusedrnn.RNN(**case, **kw))
+
+
+def test_other_array_types_are_refused_clearly():
+    import torch
+    with pytest.raises(NotImplementedError, match="data: torch tensors"):
+        call(data=torch.from_numpy(CASE["data"]))
+
+
+def test_backward_head_gradients_are_checked():
+    _, handle = call(train=True)
+    with pytest.raises(ValueError, match=r"dout: expected shape \(4, 3, 6\) and dtype float64"):
+        fusedrnn.rnn_backward(handle, HEADS["dout"][:1])
+    with pytest.raises(ValueError, match="dhy: this forward has no such output"):
+        fusedrnn.rnn_backward(handle, HEADS["dout"], dhy=HEADS["dhy"])
+    with pytest.raises(TypeError, match="dout: expected ndarray"):
+        fusedrnn.rnn_backward(handle, HEADS["dout"].tolist())
+    with pytest.raises(TypeError, match="handle: expected the TrainingHandle"):
+        fusedrnn.rnn_backward(object(), HEADS["dout"])
+    grads = fusedrnn.rnn_backward(handle, HEADS["dout"])   # the handle is still good
+    assert np.isfinite(grads.parameters).all()
