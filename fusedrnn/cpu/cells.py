@@ -38,6 +38,7 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
+from .threads import LAUNCH_LOCK
 
 __all__ = ["cell_kernels"]
 
@@ -180,8 +181,17 @@ _FORWARD_NDIMS = (2, 2, 1, 1, 2, 2, 2, 2, 2, 2)
 _BACKWARD_NDIMS = (2,) * 10
 
 
+def _guarded(kernel):
+    def launch(*args):
+        with LAUNCH_LOCK:
+            kernel(*args)
+    launch.kernel = kernel
+    return launch
+
+
 def cell_kernels(mode: str, dtype):
-    """(forward_step, backward_step) for `mode`, compiled for `dtype` (cached on disk)."""
+    """(forward_step, backward_step) for `mode`, compiled for `dtype` (cached on disk),
+    each launch guarded as threads.py requires."""
     key = (mode, np.dtype(dtype).str)
     kernels = _compiled.get(key)
     if kernels is None:
@@ -190,7 +200,8 @@ def cell_kernels(mode: str, dtype):
             if kernels is None:
                 forward, backward = _SOURCES[mode]
                 options = dict(parallel=True, cache=True, nogil=True)
-                kernels = (nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward),
-                           nb.njit(_signature(dtype, _BACKWARD_NDIMS), **options)(backward))
+                kernels = (
+                    _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward)),
+                    _guarded(nb.njit(_signature(dtype, _BACKWARD_NDIMS), **options)(backward)))
                 _compiled[key] = kernels
     return kernels

@@ -1,30 +1,34 @@
-"""Choose a Numba threading layer that tolerates concurrent calls from many threads.
+"""Which Numba threading layer the cell kernels run on, and how launches are guarded.
 
-Numba's fallback layer, workqueue, aborts the process when two Python threads run
-parallel kernels at once. We ask for the "threadsafe" class (TBB, else OpenMP) unless
-the user already chose a layer through NUMBA_THREADING_LAYER, and only when one of
-those layers can actually load here (asking for an absent one fails at the first
-launch). Numba reads the setting at its first parallel launch, so setting it here,
-before any kernel runs, is enough.
+Between our per-step Numba kernels run OpenBLAS GEMMs with OpenBLAS's own threads.
+Numba's OpenMP layer leaves its threads spinning after each kernel, and on 2 cores
+they fight OpenBLAS's threads for the cores. Measured (2 cores, LSTM T=300 N=20
+I=H=800 float32 inference, median of 5; torch 2.13 imported first):
+    OpenMP layer (shares torch's libgomp)        2.79 s
+    OpenMP, OMP_WAIT_POLICY=PASSIVE at load      0.72 s, but only if fusedrnn loads
+                                                 libgomp before torch does
+    workqueue layer                              0.72-0.77 s, whatever the import order
+(the parts alone: 0.13 s input GEMM, 0.25 s recurrent GEMMs, 0.13 s cell kernels).
+
+So, unless the user chose a layer (NUMBA_THREADING_LAYER or numba.config), we select
+workqueue. Its workers sleep between launches, but it aborts the process if two
+Python threads launch parallel kernels at once (tests/cpu/test_threads.py shows the
+abort without the lock), so while it is the layer, every fusedrnn kernel launch holds
+LAUNCH_LOCK; the GEMMs between launches do not. With a thread-safe layer chosen by
+the user (omp, tbb) no lock is taken.
 """
 from __future__ import annotations
 
-import importlib
+import contextlib
 import os
+import threading
 
 import numba
 
+_THREADSAFE = {"omp", "tbb", "threadsafe", "safe"}
 
-def _threadsafe_layer_loads() -> bool:
-    for module in ("numba.np.ufunc.tbbpool", "numba.np.ufunc.omppool"):
-        try:
-            importlib.import_module(module)
-            return True
-        except ImportError:
-            continue
-    return False
+if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
 
-
-if ("NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default"
-        and _threadsafe_layer_loads()):
-    numba.config.THREADING_LAYER = "threadsafe"
+LAYER = numba.config.THREADING_LAYER
+LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lock()
