@@ -24,7 +24,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     train=True a TrainingHandle is appended; pass it to rnn_backward.
     """
     backend = _backend_for(data)
-    call = check_call(data, parameters, state, state_cell, sequence_length,
+    call = check_call(backend, data, parameters, state, state_cell, sequence_length,
                       state_size=state_size, num_layers=num_layers, mode=mode,
                       bidirectional=bidirectional, p=p, state_outputs=state_outputs,
                       projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
@@ -34,8 +34,9 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            call.dtype.str)
     op = _cached_op(backend, key, call)
-    reserve = op.take_reserve() if train else None
-    out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell, reserve)
+    with backend.device_context(call.data):
+        reserve = op.take_reserve() if train else None
+        out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
     if train:
         outputs += (TrainingHandle(backend, key, call, reserve),)
@@ -85,16 +86,17 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     if handle.released:
         raise RuntimeError("handle: already released (backward ran, or release() was called); "
                            "run RNN(..., train=True) again, or pass retain=True to backward")
-    call, cfg = handle._call, handle._call.config
+    backend, call, cfg = handle._backend, handle._call, handle._call.config
     T, N, D, R = call.seq_len, call.batch, cfg.directions, cfg.recurrent_size
     LD = cfg.num_layers * D
-    dout = _head_grad("dout", dout, (T, N, D * R), call, True)
-    dhy = _head_grad("dhy", dhy, (LD, N, R), call, call.state_outputs)
-    dcy = _head_grad("dcy", dcy, (LD, N, cfg.state_size), call,
+    dout = _head_grad(backend, "dout", dout, (T, N, D * R), call, True)
+    dhy = _head_grad(backend, "dhy", dhy, (LD, N, R), call, call.state_outputs)
+    dcy = _head_grad(backend, "dcy", dcy, (LD, N, cfg.state_size), call,
                      call.state_outputs and cfg.cell.has_cell_state)
-    op = _cached_op(handle._backend, handle._key, call)
-    g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
-                                               call.state, call.state_cell, dout, dhy, dcy)
+    op = _cached_op(backend, handle._key, call)
+    with backend.device_context(call.data):
+        g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
+                                                   call.state, call.state_cell, dout, dhy, dcy)
     if not retain:
         handle.release()
     return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,
@@ -102,23 +104,28 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
 
 
 def _cached_op(backend, key, call):
-    return thread_cache().get(key, lambda: RecurrentOp(backend, call.config, call.seq_len,
-                                                       call.batch, call.dtype))
+    def build():
+        with backend.device_context(call.data):  # scratch lives on data's device
+            return RecurrentOp(backend, call.config, call.seq_len, call.batch, call.dtype)
+    return thread_cache().get(key, build)
 
 
-def _head_grad(name, value, shape, call, allowed):
+def _head_grad(backend, name, value, shape, call, allowed):
     if value is None:
         return None
     if not allowed:
         raise ValueError(f"{name}: this forward has no such output (state_outputs="
                          f"{call.state_outputs}, mode={call.config.mode!r}); pass None")
-    if type(value) is not type(call.data):
-        raise TypeError(f"{name}: expected {type(call.data).__name__} like data, "
+    if not backend.is_array(value):
+        raise TypeError(f"{name}: expected a {backend.array_name} like data, "
                         f"got {type(value).__name__}")
+    if backend.device_key(value) != backend.device_key(call.data):
+        raise ValueError(f"{name}: expected an array on data's device "
+                         f"{backend.device_key(call.data)}, got {backend.device_key(value)}")
     if value.dtype != call.dtype or value.shape != shape:
         raise ValueError(f"{name}: expected shape {shape} and dtype {call.dtype}, "
                          f"got {value.shape} {value.dtype}")
-    return np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+    return backend.contiguous(value)
 
 
 def _backend_for(data):
@@ -127,8 +134,9 @@ def _backend_for(data):
         return BACKEND
     module = type(data).__module__.split(".")[0]
     if module == "cupy":
-        raise NotImplementedError("data: CuPy arrays (the GPU backend) are not implemented yet")
+        from .gpu import backend
+        return backend()
     if module == "torch":
         raise NotImplementedError("data: torch tensors (fusedrnn.torch) are not implemented yet")
-    raise TypeError(f"data: expected a numpy.ndarray, got {type(data).__module__}."
-                    f"{type(data).__name__}")
+    raise TypeError(f"data: expected a numpy.ndarray or a cupy.ndarray, got "
+                    f"{type(data).__module__}.{type(data).__name__}")

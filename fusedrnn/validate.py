@@ -66,10 +66,16 @@ class CheckedCall:
         return self.data.dtype
 
 
-def _array(name, value, ndim, dtype=None):
-    if not isinstance(value, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray (or a CuPy array on GPU), "
+def _array(name, value, ndim, backend, like=None):
+    """`value` checked against the backend (and, unless it is data, against data's
+    dtype and device), as a C-contiguous array of that backend."""
+    if not backend.is_array(value):
+        raise TypeError(f"{name}: expected a {backend.array_name} like data, "
                         f"got {type(value).__module__}.{type(value).__name__}")
+    if like is not None and backend.device_key(value) != backend.device_key(like):
+        raise ValueError(f"{name}: expected an array on data's device "
+                         f"{backend.device_key(like)}, got one on {backend.device_key(value)}")
+    dtype = None if like is None else like.dtype
     if value.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {value.shape}")
     if dtype is None:
@@ -78,13 +84,14 @@ def _array(name, value, ndim, dtype=None):
     elif value.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype} (data's dtype), got {value.dtype}")
     # Strided and negative-stride inputs are read through one contiguous copy.
-    return np.ascontiguousarray(value)
+    return backend.contiguous(value)
 
 
-def check_call(data, parameters, state, state_cell, sequence_length, *, state_size, num_layers,
-               mode, bidirectional, p, state_outputs, projection_size, lstm_state_clip_min,
-               lstm_state_clip_max, lstm_state_clip_nan, use_sequence_length, train) -> CheckedCall:
-    data = _array("data", data, 3)
+def check_call(backend, data, parameters, state, state_cell, sequence_length, *, state_size,
+               num_layers, mode, bidirectional, p, state_outputs, projection_size,
+               lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan,
+               use_sequence_length, train) -> CheckedCall:
+    data = _array("data", data, 3, backend)
     if min(data.shape) < 1:
         raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
     cfg = check_config(mode, data.shape[2], state_size, num_layers, bidirectional, projection_size)
@@ -114,20 +121,20 @@ def check_call(data, parameters, state, state_cell, sequence_length, *, state_si
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
     from .layout import ParamLayout
     expected = ParamLayout(cfg).size
-    parameters = _array("parameters", parameters, 1, data.dtype)
+    parameters = _array("parameters", parameters, 1, backend, data)
     if parameters.shape[0] != expected:
         raise ValueError(
             f"parameters: expected {expected} elements for {cfg.mode} with I={cfg.input_size}, "
             f"H={H}, num_layers={cfg.num_layers}, directions={cfg.directions} "
             f"(D*G*H*(I+H+2) + (L-1)*D*G*H*(D*H+H+2)), got {parameters.shape[0]}")
     if state is not None:
-        state = _array("state", state, 3, data.dtype)
+        state = _array("state", state, 3, backend, data)
         if state.shape != (LD, N, R):
             raise ValueError(f"state: expected shape (num_layers*directions, N, R) = "
                              f"{(LD, N, R)}, got {state.shape}")
     if cfg.cell.has_cell_state:
         if state_cell is not None:
-            state_cell = _array("state_cell", state_cell, 3, data.dtype)
+            state_cell = _array("state_cell", state_cell, 3, backend, data)
             if state_cell.shape != (LD, N, H):
                 raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "
                                  f"{(LD, N, H)}, got {state_cell.shape}")

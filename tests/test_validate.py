@@ -19,7 +19,7 @@ BAD = [
     (dict(data=CASE["data"][0]), ValueError, r"data: expected 3 dimensions, got shape \(3, 5\)"),
     (dict(data=CASE["data"].astype(np.int64)), TypeError, "data: expected dtype float32 or float64"),
     (dict(data=CASE["data"].astype(np.complex128)), TypeError, "data: expected dtype float32"),
-    (dict(data=CASE["data"].tolist()), TypeError, "data: expected a numpy.ndarray.*list"),
+    (dict(data=CASE["data"].tolist()), TypeError, "data: expected a numpy.ndarray or a cupy.ndarray.*list"),
     (dict(data=CASE["data"][:0]), ValueError, r"data: .*T, N, I >= 1, got \(0, 3, 5\)"),
     (dict(parameters=CASE["parameters"][:-1]), ValueError,
      r"parameters: expected \d+ elements .*D\*G\*H\*\(I\+H\+2\).*got \d+"),
@@ -96,7 +96,7 @@ def test_backward_head_gradients_are_checked():
         fusedrnn.rnn_backward(handle, HEADS["dout"][:1])
     with pytest.raises(ValueError, match="dhy: this forward has no such output"):
         fusedrnn.rnn_backward(handle, HEADS["dout"], dhy=HEADS["dhy"])
-    with pytest.raises(TypeError, match="dout: expected ndarray"):
+    with pytest.raises(TypeError, match="dout: expected a numpy.ndarray like data"):
         fusedrnn.rnn_backward(handle, HEADS["dout"].tolist())
     with pytest.raises(TypeError, match="handle: expected the TrainingHandle"):
         fusedrnn.rnn_backward(object(), HEADS["dout"])

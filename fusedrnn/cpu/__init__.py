@@ -1,6 +1,8 @@
 """CPU backend: numpy arrays, BLAS GEMMs through numpy, Numba-parallel cell kernels."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import threads  # noqa: F401  (picks a thread-safe Numba threading layer first)
@@ -11,6 +13,7 @@ __all__ = ["CpuBackend", "BACKEND"]
 
 class CpuBackend:
     name = "cpu"
+    array_name = "numpy.ndarray"
     xp = np
 
     @staticmethod
@@ -18,8 +21,20 @@ class CpuBackend:
         return cell_kernels(mode, dtype)
 
     @staticmethod
+    def is_array(value):
+        return isinstance(value, np.ndarray)
+
+    @staticmethod
+    def contiguous(array):
+        return np.ascontiguousarray(array)
+
+    @staticmethod
     def device_key(array):
         return ("cpu",)
+
+    @staticmethod
+    def device_context(array):
+        return contextlib.nullcontext()
 
 
 BACKEND = CpuBackend()

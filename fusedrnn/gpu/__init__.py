@@ -1,1 +1,47 @@
-"""GPU backend (CuPy). Not built yet: fusedrnn.RNN raises NotImplementedError for CuPy arrays."""
+"""GPU backend: CuPy arrays, cuBLAS GEMMs through CuPy, CUDA cell kernels (cells.cuh).
+
+CuPy is imported only when a CuPy array reaches fusedrnn.RNN, so `import fusedrnn`
+works without it. Everything runs on CuPy's current stream, on the device that holds
+`data` (the other arrays must be on the same one).
+"""
+from __future__ import annotations
+
+from .kernels import cupy_cell_kernels
+
+__all__ = ["GpuBackend", "backend"]
+
+
+class GpuBackend:
+    name = "cuda"
+    array_name = "cupy.ndarray"
+
+    def __init__(self, cupy):
+        self.xp = cupy
+
+    def cell_kernels(self, mode, dtype):
+        return cupy_cell_kernels(self.xp, mode, dtype)
+
+    def is_array(self, value):
+        return isinstance(value, self.xp.ndarray)
+
+    def contiguous(self, array):
+        return self.xp.ascontiguousarray(array)
+
+    @staticmethod
+    def device_key(array):
+        return ("cuda", array.device.id)
+
+    @staticmethod
+    def device_context(array):
+        return array.device  # a cupy.cuda.Device: makes it current inside `with`
+
+
+_backend = None
+
+
+def backend() -> GpuBackend:
+    global _backend
+    if _backend is None:
+        import cupy
+        _backend = GpuBackend(cupy)
+    return _backend

@@ -1,0 +1,108 @@
+"""The GPU cell kernels' host side: names, argument packing, grid size, launch.
+
+cells.cuh holds the CUDA source (one template per cell, instantiated per dtype). This
+module needs no CuPy: packing and launching take a `launcher`, which for the real
+backend is a CuPy RawKernel, and in tests/gpu a host build of the same source.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..config import CELLS
+
+__all__ = ["SOURCE_PATH", "CELL_TYPES", "kernel_names", "all_kernel_names", "grid_size",
+           "forward_args", "backward_args", "CellKernels", "cupy_cell_kernels"]
+
+SOURCE_PATH = Path(__file__).with_name("cells.cuh")
+CELL_TYPES = {"rnn_relu": "fusedrnn::ReluCell", "rnn_tanh": "fusedrnn::TanhCell",
+              "lstm": "fusedrnn::LstmCell", "gru": "fusedrnn::GruCell"}
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+THREADS = 256          # per block; the pointwise step is memory-bound, any multiple of 32 does
+MAX_BLOCKS = 2 ** 31 - 1
+
+
+def kernel_names(mode, dtype):
+    """C++ names of (forward_step, backward_step) for one cell and dtype."""
+    args = f"{CELL_TYPES[mode]}, {C_TYPES[np.dtype(dtype)]}"
+    return f"fusedrnn::forward_step<{args}>", f"fusedrnn::backward_step<{args}>"
+
+
+def all_kernel_names():
+    return [name for mode in CELL_TYPES for dtype in C_TYPES for name in kernel_names(mode, dtype)]
+
+
+def grid_size(elements, threads=THREADS):
+    """Blocks for one thread per element (the kernels also grid-stride past the cap)."""
+    return max(1, min(-(-elements // threads), MAX_BLOCKS))
+
+
+def _matrix(a):
+    """(array, leading dimension in elements) for a row-major 2-D view."""
+    if a.size == 0:
+        return a, np.int64(0)
+    if a.ndim != 2 or (a.shape[1] > 1 and a.strides[1] != a.itemsize):
+        raise ValueError(f"kernel argument: expected a 2-D view with contiguous rows, "
+                         f"got shape {a.shape} strides {a.strides}")
+    return a, np.int64(a.strides[0] // a.itemsize)
+
+
+def forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
+    """The forward_step argument list (see cells.cuh), and N*H."""
+    N, H = h_next.shape
+    args = (*_matrix(gx), *_matrix(gh), bx, bh, *_matrix(h_prev), *_matrix(c_prev),
+            *_matrix(h_next), *_matrix(c_next), *_matrix(y), *_matrix(saved),
+            np.int64(saved.size != 0), np.int64(N), np.int64(H))
+    return args, N * H
+
+
+def backward_args(gates, dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh,
+                  dcarry_out):
+    """The backward_step argument list (see cells.cuh), and N*H."""
+    N, H = dgx.shape[0], dgx.shape[1] // gates
+    args = (*_matrix(dy), *_matrix(dh_rec), *_matrix(dcarry_in), *_matrix(saved),
+            *_matrix(h_prev), *_matrix(c_prev), *_matrix(c_t), *_matrix(dgx), *_matrix(dgh),
+            *_matrix(dcarry_out), np.int64(N), np.int64(H))
+    return args, N * H
+
+
+class CellKernels:
+    """forward_step / backward_step with the CPU kernels' Python signature, launching
+    `launch_forward(grid, block, args)` / `launch_backward(...)`."""
+
+    def __init__(self, mode, launch_forward, launch_backward):
+        self._gates = CELLS[mode].gates
+        self._launch_forward, self._launch_backward = launch_forward, launch_backward
+
+    def forward_step(self, *arrays):
+        args, n = forward_args(*arrays)
+        self._launch_forward((grid_size(n),), (THREADS,), args)
+
+    def backward_step(self, *arrays):
+        args, n = backward_args(self._gates, *arrays)
+        self._launch_backward((grid_size(n),), (THREADS,), args)
+
+
+_module = None
+_module_lock = threading.Lock()
+
+
+def _cupy_module(cupy):
+    """All instantiations compiled once per process by NVRTC (CuPy caches the binary on
+    disk too, and loads it per device on first use)."""
+    global _module
+    with _module_lock:
+        if _module is None:
+            _module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=("--std=c++14",),
+                                     name_expressions=all_kernel_names())
+        return _module
+
+
+def cupy_cell_kernels(cupy, mode, dtype):
+    """(forward_step, backward_step) launching on CuPy's current stream."""
+    module = _cupy_module(cupy)
+    forward, backward = (module.get_function(name) for name in kernel_names(mode, dtype))
+    kernels = CellKernels(mode, forward, backward)
+    return kernels.forward_step, kernels.backward_step

@@ -1,0 +1,110 @@
+"""The GPU backend's host side without a GPU.
+
+cells.cuh is built as plain C++ (g++, host_harness.cpp) and driven through the GPU
+backend's own argument packing and launch wrappers (fusedrnn.gpu.kernels.CellKernels),
+inside the shared recurrence: every mode x layers x directions x dtype must equal the
+CPU backend. What this cannot cover: the grid-stride loop of the __global__ kernels
+and CuPy itself (tests/gpu/test_parity.py, on a GPU)."""
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MODES, POISONED_NUMPY, make_case, rel_err
+from fusedrnn.config import RNNConfig
+from fusedrnn.cpu import BACKEND as CPU
+from fusedrnn.gpu import kernels
+from fusedrnn.recurrence import RecurrentOp
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("g++ not found: CI must build the CUDA cells for the host")
+        pytest.skip("g++ not found")
+    lib = tmp_path_factory.mktemp("harness") / "libcells_host.so"
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+                    "-I", str(kernels.SOURCE_PATH.parent),
+                    str(Path(__file__).with_name("host_harness.cpp")), "-o", str(lib)],
+                   check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _ctypes_launcher(function):
+    def launch(grid, block, args):
+        assert grid[0] == kernels.grid_size(int(args[-2]) * int(args[-1]))
+        function(*[ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
+                   else ctypes.c_longlong(int(a)) for a in args])
+    return launch
+
+
+class HostCudaBackend:
+    """The CPU backend's arrays with the GPU backend's kernels, run on the host."""
+    name = "cuda-host-emulation"
+    xp = POISONED_NUMPY
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def cell_kernels(self, mode, dtype):
+        suffix = f"{mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
+        k = kernels.CellKernels(mode, _ctypes_launcher(getattr(self.lib, f"forward_{suffix}")),
+                                _ctypes_launcher(getattr(self.lib, f"backward_{suffix}")))
+        return k.forward_step, k.backward_step
+
+
+def _run(backend, case, kw, heads, dtype):
+    T, N, I = case["data"].shape
+    cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
+                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
+    op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
+    reserve = op.take_reserve()
+    outs = op.forward(case["data"], case["parameters"], case["state"], case["state_cell"], reserve)
+    grads = op.backward(reserve, case["data"], case["parameters"], case["state"],
+                        case["state_cell"], heads["dout"], heads["dhy"], heads["dcy"])
+    inference = op.forward(case["data"], case["parameters"], case["state"], case["state_cell"])
+    return [a for a in (*outs, *grads, *inference) if a is not None]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_cells_on_host_equal_cpu_backend(harness, mode, L, D, dtype):
+    case, kw, heads = make_case(mode, T=5, N=3, I=4, H=5, L=L, D=D, dtype=dtype, seed=L + D)
+    got = _run(HostCudaBackend(harness), case, kw, heads, dtype)
+    want = _run(CPU, case, kw, heads, dtype)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+
+
+def test_grid_size():
+    assert kernels.grid_size(1) == 1
+    assert kernels.grid_size(256) == 1
+    assert kernels.grid_size(257) == 2
+    assert kernels.grid_size(20 * 800) == 63
+    assert kernels.grid_size(2 ** 50) == 2 ** 31 - 1  # capped: the kernels grid-stride
+
+
+def test_packing_gives_row_strides_and_refuses_strided_columns():
+    buf = np.zeros((4, 3, 10))
+    args, n = kernels.forward_args(*(buf[0, :, :8],) * 2, np.zeros(8), np.zeros(8),
+                                   *(buf[1, :, 2:4],) * 5, np.empty((0, 0)))
+    assert n == 6 and args[1] == 10 and args[-4] == 0      # ld of a view; placeholder ld 0
+    assert [int(a) for a in args[-3:]] == [0, 3, 2]        # train, N, H
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernels.forward_args(buf[0, :, ::2], *(buf[0],) * 9)
+
+
+def test_kernel_names_cover_every_mode_and_dtype():
+    names = kernels.all_kernel_names()
+    assert len(set(names)) == 16
+    assert "fusedrnn::backward_step<fusedrnn::GruCell, double>" in names

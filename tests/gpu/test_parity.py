@@ -1,0 +1,121 @@
+"""The same call on CuPy arrays equals the CPU result (needs a CUDA device; skipped
+cleanly without one). Run on a GPU machine: PYTHONPATH=. python3 -m pytest -m gpu"""
+import json
+import types
+
+import numpy as np
+import pytest
+
+import fusedrnn
+from conftest import GOLDEN_DIR, MODES, make_case, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001  (no CuPy, no driver, no device: all mean "no GPU")
+        return False
+
+
+if not _cuda_available():
+    pytest.skip("no CUDA device (or no CuPy)", allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from fusedrnn import gpu  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poison_gpu_buffers(monkeypatch):
+    """Every buffer the GPU backend allocates starts as NaN."""
+    def empty(shape, dtype=float, **kwargs):
+        a = cupy.empty(shape, dtype=dtype, **kwargs)
+        a.fill(np.nan)
+        return a
+    members = {k: getattr(cupy, k) for k in dir(cupy) if not k.startswith("__")}
+    monkeypatch.setattr(gpu.backend(), "xp", types.SimpleNamespace(**dict(members, empty=empty)))
+    fusedrnn.clear_cache()
+    yield
+    fusedrnn.clear_cache()
+
+
+def _on_gpu(tree):
+    return {k: None if v is None else cupy.asarray(v) for k, v in tree.items()}
+
+
+def _run(case, kw, heads):
+    *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
+    return outs, fusedrnn.rnn_backward(handle, **heads)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_equals_cpu(mode, L, D, dtype):
+    case, kw, heads = make_case(mode, T=7, N=5, I=6, H=9, L=L, D=D, dtype=dtype, seed=L * D)
+    cpu_outs, cpu_grads = _run(case, kw, heads)
+    gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
+    assert all(isinstance(o, cupy.ndarray) for o in gpu_outs)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for a, b in zip(gpu_outs, cpu_outs):
+        assert rel_err(cupy.asnumpy(a), b) <= tol
+    for a, b in zip(gpu_grads, cpu_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_err(cupy.asnumpy(a), b) <= tol
+
+
+CASES = json.loads((GOLDEN_DIR / "manifest.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_golden_on_gpu(case):
+    arrays = np.load(GOLDEN_DIR / case["file"])
+    kwargs = case["rnn_kwargs"]
+    lstm = kwargs["mode"] == "lstm"
+    inputs = [cupy.asarray(arrays[name]) for name in case["rnn_array_args"]]
+    *outs, handle = fusedrnn.RNN(*inputs, **kwargs, train=True)
+    grads = fusedrnn.rnn_backward(handle, cupy.asarray(arrays["dout"]), cupy.asarray(arrays["dhy"]),
+                                  cupy.asarray(arrays["dcy"]) if lstm else None)
+    tol = 1e-6 if kwargs["mode"] == "rnn_relu" else 1e-10  # see tests/test_golden.py
+    for name, got in zip(("out", "hy", "cy"), outs):
+        assert rel_err(cupy.asnumpy(got), arrays[name]) <= tol
+    for field in ("data", "parameters", "state", "state_cell"):
+        if f"grad_{field}" in arrays.files:
+            assert rel_err(cupy.asnumpy(getattr(grads, field)), arrays[f"grad_{field}"]) <= tol
+
+
+def test_runs_on_the_current_stream():
+    case, kw, _ = make_case("lstm", L=2, D=2)
+    expected = fusedrnn.RNN(**case, **kw)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = fusedrnn.RNN(**_on_gpu(case), **kw)
+        result = cupy.asnumpy(out, stream=stream)
+    stream.synchronize()
+    assert rel_err(result, expected) <= 1e-12
+
+
+def test_mixed_devices_are_refused():
+    case, kw, _ = make_case("gru")
+    gpu_case = _on_gpu(case)
+    with pytest.raises(TypeError, match="parameters: expected a cupy.ndarray like data"):
+        fusedrnn.RNN(**dict(gpu_case, parameters=case["parameters"]), **kw)
+    with pytest.raises(TypeError, match="data: expected"):
+        fusedrnn.RNN(**dict(case, data=[1.0]), **kw)
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        with cupy.cuda.Device(1):
+            other = cupy.asarray(case["state"])
+        with pytest.raises(ValueError, match="state: expected an array on data's device"):
+            fusedrnn.RNN(**dict(gpu_case, state=other), **kw)
+
+
+def test_cache_keys_on_device():
+    case, kw, _ = make_case("gru")
+    fusedrnn.RNN(**case, **kw)
+    fusedrnn.RNN(**_on_gpu(case), **kw)
+    assert fusedrnn.cache_info().entries == 2
