@@ -15,13 +15,17 @@ __all__ = ["RNN", "rnn_backward", "TrainingHandle", "RNNGradients"]
 def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, state_size,
         num_layers, mode, bidirectional=False, p=0.0, state_outputs=False,
         projection_size=None, lstm_state_clip_min=None, lstm_state_clip_max=None,
-        lstm_state_clip_nan=False, use_sequence_length=False, train=False):
+        lstm_state_clip_nan=False, use_sequence_length=False, train=False, seed=None):
     """MXNet's RNN operator: the whole sequence, all layers and directions, in one call.
 
     data (T, N, I); parameters: the flat vector (see fusedrnn.layout); state
-    (L*D, N, R) and, for LSTM, state_cell (L*D, N, H), zeros when None.
+    (L*D, N, R) and, for LSTM, state_cell (L*D, N, H), zeros when None (R is
+    projection_size when given, else state_size); sequence_length (N,) integers in 1..T,
+    read when use_sequence_length=True.
     Returns out, or (out, hy) / (out, hy, cy) with state_outputs=True. With
-    train=True a TrainingHandle is appended; pass it to rnn_backward.
+    train=True a TrainingHandle is appended; pass it to rnn_backward. Dropout (p, between
+    layers, training only) draws its masks from the backend's generator seeded by `seed`
+    (None: fresh entropy); the same seed gives the same masks.
     """
     backend = _backend_for(data)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,
@@ -30,13 +34,14 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                       projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
                       lstm_state_clip_max=lstm_state_clip_max,
                       lstm_state_clip_nan=lstm_state_clip_nan,
-                      use_sequence_length=use_sequence_length, train=train)
+                      use_sequence_length=use_sequence_length, train=train, seed=seed)
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            call.dtype.str)
     op = _cached_op(backend, key, call)
     with backend.device_context(call.data):
         reserve = op.take_reserve() if train else None
-        out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell, reserve)
+        out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
+                                 call.options, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
     if train:
         outputs += (TrainingHandle(backend, key, call, reserve),)
@@ -96,7 +101,8 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     op = _cached_op(backend, handle._key, call)
     with backend.device_context(call.data):
         g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
-                                                   call.state, call.state_cell, dout, dhy, dcy)
+                                                   call.state, call.state_cell, call.options,
+                                                   dout, dhy, dcy)
     if not retain:
         handle.release()
     return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,

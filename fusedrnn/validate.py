@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MODES, RNNConfig
+from .recurrence import CLIP, CLIP_NAN, CallOptions
 
 __all__ = ["check_config", "check_call", "CheckedCall"]
 
@@ -51,7 +52,7 @@ class CheckedCall:
     state: object
     state_cell: object
     state_outputs: bool
-    p: float
+    options: CallOptions
 
     @property
     def seq_len(self):
@@ -90,7 +91,7 @@ def _array(name, value, ndim, backend, like=None):
 def check_call(backend, data, parameters, state, state_cell, sequence_length, *, state_size,
                num_layers, mode, bidirectional, p, state_outputs, projection_size,
                lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan,
-               use_sequence_length, train) -> CheckedCall:
+               use_sequence_length, train, seed=None) -> CheckedCall:
     data = _array("data", data, 3, backend)
     if min(data.shape) < 1:
         raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
@@ -102,31 +103,19 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
 
-    # Features that are specified but not built yet say so, naming the argument.
-    if projection_size is not None:
-        raise NotImplementedError("projection_size: LSTM projection is not implemented yet")
-    if lstm_state_clip_min is not None or lstm_state_clip_max is not None or lstm_state_clip_nan:
-        raise NotImplementedError("lstm_state_clip_min/lstm_state_clip_max/lstm_state_clip_nan: "
-                                  "cell-state clipping is not implemented yet")
-    if _bool("use_sequence_length", use_sequence_length):
-        raise NotImplementedError("use_sequence_length: variable sequence lengths are not "
-                                  "implemented yet")
-    if sequence_length is not None:
-        raise ValueError("sequence_length: given, but use_sequence_length=False; "
-                         "pass use_sequence_length=True to use it")
-    if train and p > 0 and cfg.num_layers > 1:
-        raise NotImplementedError("p: dropout between layers in training is not implemented yet")
-
     T, N, _ = data.shape
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
     from .layout import ParamLayout
     expected = ParamLayout(cfg).size
     parameters = _array("parameters", parameters, 1, backend, data)
     if parameters.shape[0] != expected:
+        formula = ("D*G*H*(I+P+2) + (L-1)*D*G*H*(D*P+P+2) + L*D*P*H" if cfg.projection_size
+                   else "D*G*H*(I+H+2) + (L-1)*D*G*H*(D*H+H+2)")
+        sizes = f"H={H}" + (f", P={cfg.projection_size}" if cfg.projection_size else "")
         raise ValueError(
             f"parameters: expected {expected} elements for {cfg.mode} with I={cfg.input_size}, "
-            f"H={H}, num_layers={cfg.num_layers}, directions={cfg.directions} "
-            f"(D*G*H*(I+H+2) + (L-1)*D*G*H*(D*H+H+2)), got {parameters.shape[0]}")
+            f"{sizes}, num_layers={cfg.num_layers}, directions={cfg.directions} "
+            f"({formula}), got {parameters.shape[0]}")
     if state is not None:
         state = _array("state", state, 3, backend, data)
         if state.shape != (LD, N, R):
@@ -141,4 +130,66 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
     elif state_cell is not None:
         raise ValueError(f"state_cell: only mode='lstm' has a cell state, got one for "
                          f"mode={cfg.mode!r}")
-    return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, float(p))
+    options = CallOptions(
+        lengths=_check_lengths(backend, data, sequence_length, use_sequence_length),
+        **_check_clip(cfg, lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan),
+        dropout=float(p) if train and cfg.num_layers > 1 else 0.0,
+        seed=_check_seed(seed))
+    return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, options)
+
+
+def _check_lengths(backend, data, sequence_length, use_sequence_length):
+    if not _bool("use_sequence_length", use_sequence_length):
+        if sequence_length is not None:
+            raise ValueError("sequence_length: given, but use_sequence_length=False; "
+                             "pass use_sequence_length=True to use it")
+        return None
+    if sequence_length is None:
+        raise ValueError("sequence_length: use_sequence_length=True needs a (N,) integer "
+                         "array of lengths, got None")
+    T, N, _ = data.shape
+    if not backend.is_array(sequence_length):
+        raise TypeError(f"sequence_length: expected a {backend.array_name} like data, got "
+                        f"{type(sequence_length).__module__}.{type(sequence_length).__name__}")
+    if backend.device_key(sequence_length) != backend.device_key(data):
+        raise ValueError(f"sequence_length: expected an array on data's device "
+                         f"{backend.device_key(data)}, got {backend.device_key(sequence_length)}")
+    if sequence_length.dtype.kind not in "iu":
+        raise TypeError(f"sequence_length: expected an integer dtype, got {sequence_length.dtype}")
+    if sequence_length.shape != (N,):
+        raise ValueError(f"sequence_length: expected shape (N,) = ({N},), "
+                         f"got {sequence_length.shape}")
+    # One reduction on the array's device; on a GPU only its boolean crosses to the host.
+    if bool(((sequence_length < 1) | (sequence_length > T)).any()):
+        raise ValueError(f"sequence_length: expected every length in 1..T = 1..{T}, got "
+                         f"values from {int(sequence_length.min())} to {int(sequence_length.max())}")
+    return backend.contiguous(sequence_length.astype("int64", copy=False))
+
+
+def _check_clip(cfg, lo, hi, clip_nan):
+    clip_nan = _bool("lstm_state_clip_nan", clip_nan)
+    if lo is None and hi is None:
+        return {}  # MXNet: clip_nan without a range is ignored
+    if cfg.mode != "lstm":
+        raise ValueError(f"lstm_state_clip_min/lstm_state_clip_max: only mode='lstm' has a cell "
+                         f"state to clip, got mode={cfg.mode!r}")
+    if lo is None or hi is None:
+        raise ValueError(f"lstm_state_clip_min/lstm_state_clip_max: give both bounds or "
+                         f"neither, got min={lo!r}, max={hi!r}")
+    for name, value in (("lstm_state_clip_min", lo), ("lstm_state_clip_max", hi)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        if value != value:
+            raise ValueError(f"{name}: expected a number, got NaN")
+    if lo > hi:
+        raise ValueError(f"lstm_state_clip_min: expected min <= max, got min={lo}, max={hi}")
+    return dict(clip_lo=float(lo), clip_hi=float(hi),
+                clip_flags=CLIP | (CLIP_NAN if clip_nan else 0))
+
+
+def _check_seed(seed):
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}")
+    return int(seed)

@@ -21,7 +21,7 @@ def _poisoned_numpy():
     """numpy, except that every array from empty() starts as NaN."""
     def empty(shape, dtype=float, **kwargs):
         a = np.empty(shape, dtype=dtype, **kwargs)
-        a.fill(np.nan)
+        a.fill(np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).min)
         return a
     members = {k: getattr(np, k) for k in dir(np) if not k.startswith("__")}
     return types.SimpleNamespace(**dict(members, empty=empty))

@@ -64,19 +64,6 @@ def test_state_dtype_must_match():
         call(state=CASE["state"].astype(np.float32))
 
 
-@pytest.mark.parametrize("changes, argument", [
-    (dict(projection_size=3), "projection_size"),
-    (dict(lstm_state_clip_min=-1.0, lstm_state_clip_max=1.0), "lstm_state_clip_min"),
-    (dict(lstm_state_clip_nan=True), "lstm_state_clip_nan"),
-    (dict(use_sequence_length=True, sequence_length=np.full(3, 4, np.int32)),
-     "use_sequence_length"),
-    (dict(p=0.5, train=True), "p: dropout"),
-])
-def test_unbuilt_features_raise_not_implemented(changes, argument):
-    with pytest.raises(NotImplementedError, match=argument):
-        call(**changes)
-
-
 def test_dropout_is_ignored_in_inference_and_for_one_layer():
     assert np.array_equal(call(p=0.5), call())
     case, kw, _ = make_case("gru", L=1)

@@ -36,5 +36,9 @@ class CpuBackend:
     def device_context(array):
         return contextlib.nullcontext()
 
+    @staticmethod
+    def random(seed):
+        return np.random.default_rng(seed)
+
 
 BACKEND = CpuBackend()

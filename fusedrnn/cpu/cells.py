@@ -1,32 +1,46 @@
 """Per-step pointwise cell math for the CPU backend, one forward/backward pair per cell.
 
-Every cell has the same two entry points, so the recurrence driver (driver.py) never
+Every cell has the same two entry points, so the recurrence driver (recurrence.py) never
 branches on the mode. Shapes below: N batch, H state_size, G gates, S = CellSpec.saved.
-All arrays are 2-D and of the data's dtype; any row stride is accepted (views of
-larger buffers are passed straight in). Unused arguments (e.g. c_* for a GRU) are
-(0, 0) placeholders.
+Arrays are of the data's dtype (lengths: int64) and 2-D unless noted; any row stride is
+accepted (views of larger buffers are passed straight in). An argument marked
+"optional" may be a (0, 0) placeholder: read as zeros, or not written.
 
-forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved)
+forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
+             lengths, t, clip_lo, clip_hi, clip_flags)
     gx      (N, G*H) in   input projection W_x x_t, without bias
     gh      (N, G*H) in   recurrent projection W_h h_prev, without bias
     bx, bh  (G*H,)   in   the two biases (kept apart: GRU's n gate needs b_hn alone)
-    h_prev  (N, H)   in   previous state;  c_prev (N, H) in: previous cell state (LSTM)
-    h_next  (N, H)   out  new state;       c_next (N, H) out: new cell state (LSTM)
-    y       (N, H)   out  this step's slice of the layer output (a second copy of h_next)
-    saved   (N, S*H) out  training record for backward; (0, 0) in inference
-    Outputs must not alias inputs.
+    h_prev  (N, H)   in   previous state (optional for LSTM: the projected path)
+    c_prev  (N, H)   in   previous cell state (LSTM)
+    h_next  (N, H)   out  new state;  c_next (N, H) out: new cell state (LSTM)
+    y       (N, H)   out  this step's slice of the layer output; may alias h_next
+    saved   (N, S*H) out  training record for backward; optional (inference)
+    lengths (N,)     in   per-sample sequence lengths, int64; (0,) = all T steps. At
+                          t >= lengths[n] the sample is inactive: its state is carried
+                          (h_next = h_prev, or 0 without h_prev; c_next = c_prev), y = 0
+    t       int           this step's time index
+    clip_lo, clip_hi, clip_flags   LSTM cell-state clipping: bit 0 of clip_flags clips c
+                          to [clip_lo, clip_hi] after the update, bit 1 turns a NaN into
+                          clip_lo (without it NaN propagates)
+    Outputs other than y must not alias inputs.
 
-backward_step(dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh, dcarry_out)
-    dy         (N, H)   in   gradient from the layer output at this step
-    dh_rec     (N, H)   in   gradient from the next step through W_h (dhy at the last step)
-    dcarry_in  (N, H)   in   the cell's carried gradient (LSTM dc, GRU z*dh); see CellSpec.carry
-    saved      (N, S*H) in   the forward's training record of this step
-    h_prev, c_prev, c_t (N, H) in   states before and (c_t) after this step
-    dgx        (N, G*H) out  gradient w.r.t. the pre-activations fed by W_x x + b_x
-    dgh        (N, G*H) out  the same for W_h h + b_h; GRU only, (0, 0) for cells where
-                             it equals dgx (CellSpec.split_gate_grads is False)
-    dcarry_out (N, H)   out  carried gradient for the previous step; may alias dcarry_in
-                             (each element is read before it is written)
+backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx, dgh,
+              dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags)
+    dy           (N, H)   in   gradient from this step's output (or from the projection)
+    dh_rec       (N, H)   in   gradient from the next step through W_h; optional
+    dh_carry_in  (N, H)   in   gradient reaching h directly (GRU's z*dh, the pass-through
+                               of inactive steps); optional
+    dc_carry_in  (N, H)   in   gradient reaching c from the next step (LSTM)
+    saved        (N, S*H) in   the forward's training record of this step
+    h_prev, c_prev, c_t (N, H) in  states before and (c_t) after this step
+    dgx          (N, G*H) out  gradient w.r.t. the pre-activations fed by W_x x + b_x
+    dgh          (N, G*H) out  the same for W_h h + b_h: GRU only, optional for cells
+                               where it equals dgx (CellSpec.split_gate_grads is False)
+    dh_carry_out (N, H)   out  optional; may alias dh_carry_in
+    dc_carry_out (N, H)   out  (LSTM); may alias dc_carry_in
+    lengths, t, clip_*    as in forward_step; the gradient through a clipped c is 0
+    Each element of an aliased carry is read before it is written.
 """
 from __future__ import annotations
 
@@ -42,6 +56,8 @@ from .threads import LAUNCH_LOCK
 
 __all__ = ["cell_kernels"]
 
+CLIP, CLIP_NAN = 1, 2
+
 
 @nb.njit(inline="always", cache=True)
 def _sigmoid(x):
@@ -53,77 +69,167 @@ def _preact(gx, gh, bx, bh, n, col):
     return gx[n, col] + bx[col] + gh[n, col] + bh[col]
 
 
+@nb.njit(inline="always", cache=True)
+def _given(a):
+    return a.shape[0] != 0
+
+
+@nb.njit(inline="always", cache=True)
+def _active(lengths, n, t):
+    return lengths.shape[0] == 0 or t < lengths[n]
+
+
+@nb.njit(inline="always", cache=True)
+def _carry_state(h_prev, c_prev, h_next, c_next, y, n, j):
+    """An inactive step (past the sample's length): the state passes through unchanged."""
+    h_next[n, j] = h_prev[n, j] if _given(h_prev) else 0.0
+    y[n, j] = 0.0
+    if _given(c_next):
+        c_next[n, j] = c_prev[n, j]
+
+
+@nb.njit(inline="always", cache=True)
+def _carry_grads(gates, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
+                 dc_carry_out, n, j):
+    """Backward of an inactive step: no gate gradient, dh and dc pass straight through."""
+    for g in range(gates):
+        dgx[n, g * H + j] = 0.0
+        if _given(dgh):
+            dgh[n, g * H + j] = 0.0
+    if _given(dh_carry_out):
+        dh = dh_rec[n, j] if _given(dh_rec) else 0.0
+        dh_carry_out[n, j] = dh + (dh_carry_in[n, j] if _given(dh_carry_in) else 0.0)
+    if _given(dc_carry_out):
+        dc_carry_out[n, j] = dc_carry_in[n, j]
+
+
+@nb.njit(inline="always", cache=True)
+def _dh(dy, dh_rec, dh_carry_in, n, j):
+    """All gradient reaching h_t: output, recurrence, and the direct carry."""
+    dh = dy[n, j]
+    if _given(dh_rec):
+        dh += dh_rec[n, j]
+    if _given(dh_carry_in):
+        dh += dh_carry_in[n, j]
+    return dh
+
+
+@nb.njit(inline="always", cache=True)
+def _clip(c, lo, hi, flags):
+    if flags & CLIP:
+        if c < lo:
+            c = lo
+        elif c > hi:
+            c = hi
+        elif flags & CLIP_NAN and c != c:
+            c = lo
+    return c
+
+
+@nb.njit(inline="always", cache=True)
+def _unclipped(c, lo, hi, flags):
+    """1 where the clip let c through (its gradient flows), else 0 (also for NaN)."""
+    if flags & CLIP:
+        return 1.0 if (lo <= c <= hi) else 0.0
+    return 1.0
+
+
 def _make_rnn_cell(relu: bool):
     # `relu` is frozen into the compiled code (Numba reads closure cells as constants,
     # and its cache keys on them), so the two plain RNN cells share one source.
-    def forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
+    def forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
+                     lengths, t, clip_lo, clip_hi, clip_flags):
         N, H = gx.shape[0], gx.shape[1]
-        train = saved.shape[0] != 0
         for k in prange(N * H):
             n, j = k // H, k % H
+            if not _active(lengths, n, t):
+                _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
+                continue
             a = _preact(gx, gh, bx, bh, n, j)
             h = max(a, 0.0) if relu else math.tanh(a)
             h_next[n, j] = h
             y[n, j] = h
-            if train:
+            if _given(saved):
                 saved[n, j] = h
 
-    def backward_step(dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh, dcarry_out):
+    def backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
+                      dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
         N, H = dgx.shape[0], dgx.shape[1]
         for k in prange(N * H):
             n, j = k // H, k % H
+            if not _active(lengths, n, t):
+                _carry_grads(1, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
+                             dc_carry_out, n, j)
+                continue
             h = saved[n, j]
-            dh = dy[n, j] + dh_rec[n, j]
+            dh = _dh(dy, dh_rec, dh_carry_in, n, j)
             if relu:
                 dgx[n, j] = dh if h > 0.0 else 0.0
             else:
                 dgx[n, j] = dh * (1.0 - h * h)
+            if _given(dh_carry_out):
+                dh_carry_out[n, j] = 0.0
 
     return forward_step, backward_step
 
 
-def lstm_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
+def lstm_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
+                      lengths, t, clip_lo, clip_hi, clip_flags):
     N, H = gx.shape[0], gx.shape[1] // 4
-    train = saved.shape[0] != 0
     for k in prange(N * H):
         n, j = k // H, k % H
+        if not _active(lengths, n, t):
+            _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
+            continue
         i = _sigmoid(_preact(gx, gh, bx, bh, n, j))
         f = _sigmoid(_preact(gx, gh, bx, bh, n, H + j))
         g = math.tanh(_preact(gx, gh, bx, bh, n, 2 * H + j))
         o = _sigmoid(_preact(gx, gh, bx, bh, n, 3 * H + j))
-        c = f * c_prev[n, j] + i * g
+        c = _clip(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
         h = o * math.tanh(c)
         c_next[n, j] = c
         h_next[n, j] = h
         y[n, j] = h
-        if train:
+        if _given(saved):
             saved[n, j] = i
             saved[n, H + j] = f
             saved[n, 2 * H + j] = g
             saved[n, 3 * H + j] = o
 
 
-def lstm_backward_step(dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh, dcarry_out):
+def lstm_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
+                       dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
     N, H = dgx.shape[0], dgx.shape[1] // 4
     for k in prange(N * H):
         n, j = k // H, k % H
+        if not _active(lengths, n, t):
+            _carry_grads(4, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
+                         dc_carry_out, n, j)
+            continue
         i, f = saved[n, j], saved[n, H + j]
         g, o = saved[n, 2 * H + j], saved[n, 3 * H + j]
         tc = math.tanh(c_t[n, j])
-        dh = dy[n, j] + dh_rec[n, j]
-        dc = dcarry_in[n, j] + dh * o * (1.0 - tc * tc)
+        dh = _dh(dy, dh_rec, dh_carry_in, n, j)
+        dc = dc_carry_in[n, j] + dh * o * (1.0 - tc * tc)
+        # The clip's gradient: 0 where the update left [lo, hi] (recomputed pre-clip value).
+        dc *= _unclipped(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
         dgx[n, j] = dc * g * i * (1.0 - i)
         dgx[n, H + j] = dc * c_prev[n, j] * f * (1.0 - f)
         dgx[n, 2 * H + j] = dc * i * (1.0 - g * g)
         dgx[n, 3 * H + j] = dh * tc * o * (1.0 - o)
-        dcarry_out[n, j] = dc * f
+        dc_carry_out[n, j] = dc * f
+        if _given(dh_carry_out):
+            dh_carry_out[n, j] = 0.0
 
 
-def gru_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
+def gru_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
+                     lengths, t, clip_lo, clip_hi, clip_flags):
     N, H = gx.shape[0], gx.shape[1] // 3
-    train = saved.shape[0] != 0
     for k in prange(N * H):
         n, j = k // H, k % H
+        if not _active(lengths, n, t):
+            _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
+            continue
         r = _sigmoid(_preact(gx, gh, bx, bh, n, j))
         z = _sigmoid(_preact(gx, gh, bx, bh, n, H + j))
         hn = gh[n, 2 * H + j] + bh[2 * H + j]  # "linear before reset": r scales W_hn h + b_hn
@@ -131,20 +237,25 @@ def gru_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
         h = (1.0 - z) * nn + z * h_prev[n, j]
         h_next[n, j] = h
         y[n, j] = h
-        if train:
+        if _given(saved):
             saved[n, j] = r
             saved[n, H + j] = z
             saved[n, 2 * H + j] = nn
             saved[n, 3 * H + j] = hn
 
 
-def gru_backward_step(dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh, dcarry_out):
+def gru_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
+                      dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
     N, H = dgx.shape[0], dgx.shape[1] // 3
     for k in prange(N * H):
         n, j = k // H, k % H
+        if not _active(lengths, n, t):
+            _carry_grads(3, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
+                         dc_carry_out, n, j)
+            continue
         r, z = saved[n, j], saved[n, H + j]
         nn, hn = saved[n, 2 * H + j], saved[n, 3 * H + j]
-        dh = dy[n, j] + dh_rec[n, j] + dcarry_in[n, j]
+        dh = _dh(dy, dh_rec, dh_carry_in, n, j)
         dn = dh * (1.0 - z) * (1.0 - nn * nn)
         dr = dn * hn * r * (1.0 - r)
         dz = dh * (h_prev[n, j] - nn) * z * (1.0 - z)
@@ -154,7 +265,7 @@ def gru_backward_step(dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dg
         dgh[n, j] = dr
         dgh[n, H + j] = dz
         dgh[n, 2 * H + j] = dn * r
-        dcarry_out[n, j] = dh * z
+        dh_carry_out[n, j] = dh * z
 
 
 _SOURCES = {
@@ -171,14 +282,17 @@ _compile_lock = threading.Lock()
 
 def _signature(dtype, ndims):
     scalar = nb.from_dtype(np.dtype(dtype))
-    return nb.void(*(nb.types.Array(scalar, nd, "A") for nd in ndims))
+    arrays = (nb.types.Array(scalar, nd, "A") for nd in ndims)
+    # lengths, t, clip_lo, clip_hi, clip_flags
+    tail = (nb.types.Array(nb.int64, 1, "A"), nb.int64, nb.float64, nb.float64, nb.int64)
+    return nb.void(*arrays, *tail)
 
 
 # Each kernel is compiled once per dtype, on first use (not at import), for arrays of
 # any layout ("A"): one specialisation serves contiguous buffers and strided views
 # alike, so a cold process compiles at most 2 kernels per (mode, dtype).
 _FORWARD_NDIMS = (2, 2, 1, 1, 2, 2, 2, 2, 2, 2)
-_BACKWARD_NDIMS = (2,) * 10
+_BACKWARD_NDIMS = (2,) * 12
 
 
 def _guarded(kernel):

@@ -35,6 +35,9 @@ class GpuBackend:
     def device_context(array):
         return array.device  # a cupy.cuda.Device: makes it current inside `with`
 
+    def random(self, seed):
+        return self.xp.random.default_rng(seed)
+
 
 _backend = None
 

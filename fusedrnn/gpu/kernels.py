@@ -49,22 +49,30 @@ def _matrix(a):
     return a, np.int64(a.strides[0] // a.itemsize)
 
 
-def forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved):
+def _step(lengths, t, clip_lo, clip_hi, clip_flags, N, H):
+    return (lengths, np.int64(lengths.size), np.int64(t), np.float64(clip_lo),
+            np.float64(clip_hi), np.int64(clip_flags), np.int64(N), np.int64(H))
+
+
+def forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved, lengths, t,
+                 clip_lo, clip_hi, clip_flags):
     """The forward_step argument list (see cells.cuh), and N*H."""
     N, H = h_next.shape
     args = (*_matrix(gx), *_matrix(gh), bx, bh, *_matrix(h_prev), *_matrix(c_prev),
             *_matrix(h_next), *_matrix(c_next), *_matrix(y), *_matrix(saved),
-            np.int64(saved.size != 0), np.int64(N), np.int64(H))
+            *_step(lengths, t, clip_lo, clip_hi, clip_flags, N, H))
     return args, N * H
 
 
-def backward_args(gates, dy, dh_rec, dcarry_in, saved, h_prev, c_prev, c_t, dgx, dgh,
-                  dcarry_out):
+def backward_args(gates, dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t,
+                  dgx, dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi,
+                  clip_flags):
     """The backward_step argument list (see cells.cuh), and N*H."""
     N, H = dgx.shape[0], dgx.shape[1] // gates
-    args = (*_matrix(dy), *_matrix(dh_rec), *_matrix(dcarry_in), *_matrix(saved),
-            *_matrix(h_prev), *_matrix(c_prev), *_matrix(c_t), *_matrix(dgx), *_matrix(dgh),
-            *_matrix(dcarry_out), np.int64(N), np.int64(H))
+    args = (*_matrix(dy), *_matrix(dh_rec), *_matrix(dh_carry_in), *_matrix(dc_carry_in),
+            *_matrix(saved), *_matrix(h_prev), *_matrix(c_prev), *_matrix(c_t), *_matrix(dgx),
+            *_matrix(dgh), *_matrix(dh_carry_out), *_matrix(dc_carry_out),
+            *_step(lengths, t, clip_lo, clip_hi, clip_flags, N, H))
     return args, N * H
 
 

@@ -8,6 +8,8 @@ from fusedrnn.config import CELLS
 from fusedrnn.cpu.cells import cell_kernels
 from reference import cell as reference_cell
 
+ALL_ACTIVE = np.empty(0, np.int64)
+
 
 def _strided(rng, rows, cols, dtype):
     """A (rows, cols) view with a row stride wider than cols, like a slice of a layer buffer."""
@@ -34,7 +36,8 @@ def test_one_forward_step_matches_reference_cell(mode, dtype):
     saved = np.full((N, spec.saved * H), np.nan, dtype)
     forward, _ = cell_kernels(mode, dtype)
     forward(gx, gh, bx.astype(dtype), bh.astype(dtype), h.astype(dtype),
-            c.astype(dtype) if lstm else empty, h_next, c_next if lstm else empty, y, saved)
+            c.astype(dtype) if lstm else empty, h_next, c_next if lstm else empty, y, saved,
+            ALL_ACTIVE, 0, 0.0, 0.0, 0)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     for n in range(N):
         h_ref, c_ref = reference_cell(mode, x[n], h[n], c[n], wx, wh, bx, bh)
@@ -47,26 +50,27 @@ def test_one_forward_step_matches_reference_cell(mode, dtype):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_step_allows_carry_aliasing(mode):
-    """dcarry_out may be dcarry_in: same result as separate buffers."""
+    """dh_carry_out / dc_carry_out may be dh_carry_in / dc_carry_in: same result as
+    separate buffers."""
     rng = np.random.default_rng(5)
     N, H = 4, 3
     spec = CELLS[mode]
     GH = spec.gates * H
     _, backward = cell_kernels(mode, np.float64)
-    arrays = [rng.uniform(0.1, 0.9, (N, H)) for _ in range(6)]  # dy, dh_rec, carry, h, c, c_t
+    inputs = [rng.uniform(0.1, 0.9, (N, H)) for _ in range(7)]  # dy .. c_t
     saved = rng.uniform(0.1, 0.9, (N, spec.saved * H))
     empty = np.empty((0, 0))
+    lstm = spec.has_cell_state
     results = []
     for alias in (False, True):
-        dy, dh_rec, carry, h_prev, c_prev, c_t = (a.copy() for a in arrays)
-        carry_out = carry if alias else np.empty_like(carry)
+        dy, dh_rec, h_carry, c_carry, h_prev, c_prev, c_t = (a.copy() for a in inputs)
+        h_out = h_carry if alias else np.full_like(h_carry, np.nan)
+        c_out = c_carry if alias else np.full_like(c_carry, np.nan)
         dgx = np.full((N, GH), np.nan)
         dgh = np.full((N, GH), np.nan) if spec.split_gate_grads else empty
-        backward(dy, dh_rec, carry if spec.carry else empty, saved, h_prev,
-                 c_prev, c_t, dgx, dgh, carry_out if spec.carry else empty)
-        assert not np.isnan(dgx).any() and not np.isnan(dgh).any()
-        results.append((dgx, dgh, carry_out))
-    (dgx0, dgh0, carry0), (dgx1, dgh1, carry1) = results
-    assert np.array_equal(dgx0, dgx1) and np.array_equal(dgh0, dgh1)
-    if spec.carry:
-        assert np.array_equal(carry0, carry1)
+        backward(dy, dh_rec, h_carry, c_carry if lstm else empty, saved, h_prev, c_prev, c_t,
+                 dgx, dgh, h_out, c_out if lstm else empty, ALL_ACTIVE, 0, 0.0, 0.0, 0)
+        results.append((dgx, dgh, h_out, c_out if lstm else empty))
+    for a, b in zip(*results):
+        assert not np.isnan(a).any()
+        assert np.array_equal(a, b)

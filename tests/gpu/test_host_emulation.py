@@ -18,7 +18,7 @@ from conftest import MODES, POISONED_NUMPY, make_case, rel_err
 from fusedrnn.config import RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels
-from fusedrnn.recurrence import RecurrentOp
+from fusedrnn.recurrence import CallOptions, RecurrentOp
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def _ctypes_launcher(function):
     def launch(grid, block, args):
         assert grid[0] == kernels.grid_size(int(args[-2]) * int(args[-1]))
         function(*[ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
+                   else ctypes.c_double(a) if isinstance(a, np.floating)
                    else ctypes.c_longlong(int(a)) for a in args])
     return launch
 
@@ -59,16 +60,16 @@ class HostCudaBackend:
         return k.forward_step, k.backward_step
 
 
-def _run(backend, case, kw, heads, dtype):
+def _run(backend, case, kw, heads, dtype, opts=CallOptions()):
     T, N, I = case["data"].shape
     cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
                     num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
     op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
     reserve = op.take_reserve()
-    outs = op.forward(case["data"], case["parameters"], case["state"], case["state_cell"], reserve)
-    grads = op.backward(reserve, case["data"], case["parameters"], case["state"],
-                        case["state_cell"], heads["dout"], heads["dhy"], heads["dcy"])
-    inference = op.forward(case["data"], case["parameters"], case["state"], case["state_cell"])
+    inputs = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
+    outs = op.forward(*inputs, reserve)
+    grads = op.backward(reserve, *inputs, heads["dout"], heads["dhy"], heads["dcy"])
+    inference = op.forward(*inputs)
     return [a for a in (*outs, *grads, *inference) if a is not None]
 
 
@@ -96,12 +97,13 @@ def test_grid_size():
 
 def test_packing_gives_row_strides_and_refuses_strided_columns():
     buf = np.zeros((4, 3, 10))
+    step = (np.empty(0, np.int64), 0, 0.0, 0.0, 0)
     args, n = kernels.forward_args(*(buf[0, :, :8],) * 2, np.zeros(8), np.zeros(8),
-                                   *(buf[1, :, 2:4],) * 5, np.empty((0, 0)))
-    assert n == 6 and args[1] == 10 and args[-4] == 0      # ld of a view; placeholder ld 0
-    assert [int(a) for a in args[-3:]] == [0, 3, 2]        # train, N, H
+                                   *(buf[1, :, 2:4],) * 5, np.empty((0, 0)), *step)
+    assert n == 6 and args[1] == 10 and args[17] == 0      # ld of a view; placeholder ld 0
+    assert [int(a) for a in args[-2:]] == [3, 2]           # N, H
     with pytest.raises(ValueError, match="contiguous rows"):
-        kernels.forward_args(buf[0, :, ::2], *(buf[0],) * 9)
+        kernels.forward_args(buf[0, :, ::2], *(buf[0],) * 9, *step)
 
 
 def test_kernel_names_cover_every_mode_and_dtype():

@@ -33,7 +33,7 @@ def poison_gpu_buffers(monkeypatch):
     """Every buffer the GPU backend allocates starts as NaN."""
     def empty(shape, dtype=float, **kwargs):
         a = cupy.empty(shape, dtype=dtype, **kwargs)
-        a.fill(np.nan)
+        a.fill(np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).min)
         return a
     members = {k: getattr(cupy, k) for k in dir(cupy) if not k.startswith("__")}
     monkeypatch.setattr(gpu.backend(), "xp", types.SimpleNamespace(**dict(members, empty=empty)))
