@@ -49,6 +49,7 @@ class HostCudaBackend:
     """The CPU backend's arrays with the GPU backend's kernels, run on the host."""
     name = "cuda-host-emulation"
     xp = POISONED_NUMPY
+    random = staticmethod(CPU.random)
 
     def __init__(self, lib):
         self.lib = lib
@@ -60,10 +61,11 @@ class HostCudaBackend:
         return k.forward_step, k.backward_step
 
 
-def _run(backend, case, kw, heads, dtype, opts=CallOptions()):
+def _run(backend, case, kw, heads, dtype, opts=CallOptions(), projection_size=None):
     T, N, I = case["data"].shape
     cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
-                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
+                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"],
+                    projection_size=projection_size)
     op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
     reserve = op.take_reserve()
     inputs = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
@@ -85,6 +87,51 @@ def test_cuda_cells_on_host_equal_cpu_backend(harness, mode, L, D, dtype):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
+
+
+LENGTHS = CallOptions(lengths=np.array([5, 1, 3], np.int64))
+CLIPPED = dict(clip_lo=-0.3, clip_hi=0.25, clip_flags=3)
+
+
+def _projected_case(L, D, dtype, seed, P=2):
+    """make_case's arrays resized for an LSTM with projection P < H."""
+    case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=5, L=L, D=D, dtype=dtype, seed=seed)
+    rng = np.random.default_rng(seed)
+    size = RNNConfig("lstm", 4, 5, L, D == 2, P)
+    from fusedrnn.layout import ParamLayout
+    case["parameters"] = rng.uniform(-0.5, 0.5, ParamLayout(size).size).astype(dtype)
+    case["state"] = case["state"][..., :P].copy()
+    heads["dout"] = heads["dout"][..., :D * P].copy()
+    heads["dhy"] = heads["dhy"][..., :P].copy()
+    return case, kw, heads
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_cells_with_lengths_equal_cpu_backend(harness, mode, D, dtype):
+    case, kw, heads = make_case(mode, T=5, N=3, I=4, H=5, L=2, D=D, dtype=dtype, seed=D)
+    got = _run(HostCudaBackend(harness), case, kw, heads, dtype, LENGTHS)
+    want = _run(CPU, case, kw, heads, dtype, LENGTHS)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+
+
+@pytest.mark.parametrize("projection", [None, 2])
+@pytest.mark.parametrize("options", [CallOptions(**CLIPPED),
+                                     CallOptions(lengths=LENGTHS.lengths, **CLIPPED), LENGTHS],
+                         ids=["clip", "clip+lengths", "lengths"])
+@pytest.mark.parametrize("D", [1, 2])
+def test_cuda_lstm_features_equal_cpu_backend(harness, D, options, projection):
+    if projection:
+        case, kw, heads = _projected_case(2, D, np.float64, seed=4)
+    else:
+        case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=5, L=2, D=D, seed=4)
+    got = _run(HostCudaBackend(harness), case, kw, heads, np.float64, options, projection)
+    want = _run(CPU, case, kw, heads, np.float64, options, projection)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-12
 
 
 def test_grid_size():

@@ -119,3 +119,66 @@ def test_cache_keys_on_device():
     fusedrnn.RNN(**case, **kw)
     fusedrnn.RNN(**_on_gpu(case), **kw)
     assert fusedrnn.cache_info().entries == 2
+
+
+FEATURES = {
+    "lengths": dict(use_sequence_length=True),
+    "clip": dict(lstm_state_clip_min=-0.3, lstm_state_clip_max=0.25, lstm_state_clip_nan=True),
+    "projection": dict(projection_size=3),
+}
+
+
+def _with_features(mode, names, D, dtype, seed=0):
+    """make_case plus the named features (projection resizes parameters and states)."""
+    case, kw, heads = make_case(mode, T=6, N=4, I=5, H=7, L=2, D=D, dtype=dtype, seed=seed)
+    kw = dict(kw, state_outputs=True)
+    for name in names:
+        kw.update(FEATURES[name])
+    if "lengths" in names:
+        case["sequence_length"] = np.array([6, 1, 4, 2], np.int32)
+    if "projection" in names:
+        P = FEATURES["projection"]["projection_size"]
+        size = fusedrnn.param_size(mode=mode, input_size=5, state_size=7, num_layers=2,
+                                   bidirectional=D == 2, projection_size=P)
+        case["parameters"] = np.random.default_rng(seed).uniform(-0.4, 0.4, size).astype(dtype)
+        case["state"] = case["state"][..., :P].copy()
+        heads = dict(heads, dout=heads["dout"][..., :D * P].copy(), dhy=heads["dhy"][..., :P].copy())
+    return case, kw, heads
+
+
+# Clipping and projection exist for LSTM only (other modes refuse them, test_validate.py).
+VALID = [(mode, ("lengths",)) for mode in MODES] + [
+    ("lstm", names) for names in [("clip",), ("projection",), ("lengths", "clip", "projection")]]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("mode, names", VALID, ids=[f"{m}-{'+'.join(n)}" for m, n in VALID])
+def test_features_gpu_equals_cpu(mode, names, D, dtype):
+    case, kw, heads = _with_features(mode, names, D, dtype)
+    cpu_outs, cpu_grads = _run(case, kw, heads)
+    gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for a, b in zip(gpu_outs, cpu_outs):
+        assert rel_err(cupy.asnumpy(a), b) <= tol
+    for a, b in zip(gpu_grads, cpu_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_err(cupy.asnumpy(a), b) <= tol
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
+    case, kw, heads = make_case(mode, T=6, N=4, I=5, H=7, L=3, D=2, seed=3)
+    gpu_case = _on_gpu(case)
+    first = fusedrnn.RNN(**gpu_case, **kw, p=0.4, train=True, seed=11)
+    second = fusedrnn.RNN(**gpu_case, **kw, p=0.4, train=True, seed=11)
+    assert cupy.array_equal(first[0], second[0])
+    masks = [cupy.asnumpy(m) for m in first[-1]._reserve.masks]
+    assert len(masks) == 2
+    kept = np.concatenate([m.ravel() for m in masks]) != 0
+    assert 0.45 < kept.mean() < 0.75
+    # The same computation on the CPU with those masks: forward and gradients agree.
+    from reference import rnn_reference
+    ref_out, _, _ = rnn_reference(**case, **kw, dropout_masks=masks)
+    assert rel_err(cupy.asnumpy(first[0]), ref_out) <= 1e-12
