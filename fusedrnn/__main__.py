@@ -1,4 +1,5 @@
-"""`python -m fusedrnn demo`: a small training step, checked against torch when installed."""
+"""`python -m fusedrnn bench`: the benchmark (fusedrnn/benchmark); `python -m fusedrnn demo`:
+one small training step, checked against torch when installed."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--bidirectional", action="store_true")
     p.set_defaults(run=demo)
+    from . import benchmark
+    b = sub.add_parser("bench", help="fusedrnn vs torch.nn and naive loops, side by side")
+    benchmark.add_arguments(b)
+    b.set_defaults(run=benchmark.run)
     args = parser.parse_args(argv)
     return args.run(args)
 
