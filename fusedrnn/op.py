@@ -26,7 +26,19 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     train=True a TrainingHandle is appended; pass it to rnn_backward. Dropout (p, between
     layers, training only) draws its masks from the backend's generator seeded by `seed`
     (None: fresh entropy); the same seed gives the same masks.
+
+    torch tensors (CPU or CUDA) go through DLPack without copies and return tensors that
+    torch.autograd differentiates (no handle is appended; see fusedrnn.torch.rnn).
     """
+    if type(data).__module__.split(".")[0] == "torch":
+        from .torch import rnn
+        return rnn(data, parameters, state, state_cell, sequence_length,
+                   state_outputs=state_outputs, train=train, state_size=state_size,
+                   num_layers=num_layers, mode=mode, bidirectional=bidirectional, p=p,
+                   projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
+                   lstm_state_clip_max=lstm_state_clip_max,
+                   lstm_state_clip_nan=lstm_state_clip_nan,
+                   use_sequence_length=use_sequence_length, seed=seed)
     backend = _backend_for(data)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,
                       state_size=state_size, num_layers=num_layers, mode=mode,
@@ -142,7 +154,5 @@ def _backend_for(data):
     if module == "cupy":
         from .gpu import backend
         return backend()
-    if module == "torch":
-        raise NotImplementedError("data: torch tensors (fusedrnn.torch) are not implemented yet")
     raise TypeError(f"data: expected a numpy.ndarray or a cupy.ndarray, got "
                     f"{type(data).__module__}.{type(data).__name__}")

@@ -74,6 +74,8 @@ def _progress(i, n, case):
 
 def _machine(device, repeats, args):
     import numba
+
+    from .. import cpu  # noqa: F401  (fixes Numba's threading layer before we query it)
     info = {"python": platform.python_version(), "numpy": np.__version__,
             "numba": numba.__version__, "cpu_count": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "machine": platform.processor() or

@@ -14,21 +14,42 @@ So, unless the user chose a layer (NUMBA_THREADING_LAYER or numba.config), we se
 workqueue. Its workers sleep between launches, but it aborts the process if two
 Python threads launch parallel kernels at once (tests/cpu/test_threads.py shows the
 abort without the lock), so while it is the layer, every fusedrnn kernel launch holds
-LAUNCH_LOCK; the GEMMs between launches do not. With a thread-safe layer chosen by
-the user (omp, tbb) no lock is taken.
+LAUNCH_LOCK; the GEMMs between launches do not. With a thread-safe layer (omp, tbb)
+no lock is taken.
+
+Numba fixes its layer when its thread pool starts (the first parallel kernel, or a
+call such as numba.get_num_threads()). If that happened before this module was
+imported, the running layer stays; we use it and warn when it is one that spins.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+import warnings
 
 import numba
 
 _THREADSAFE = {"omp", "tbb", "threadsafe", "safe"}
 
-if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "workqueue"
 
-LAYER = numba.config.THREADING_LAYER
+def _running_layer():
+    try:
+        return numba.threading_layer()  # raises until the thread pool has started
+    except ValueError:
+        return None
+
+
+_user_choice = "NUMBA_THREADING_LAYER" in os.environ or numba.config.THREADING_LAYER != "default"
+LAYER = _running_layer()
+if LAYER is None:
+    if not _user_choice:
+        numba.config.THREADING_LAYER = "workqueue"
+    LAYER = numba.config.THREADING_LAYER
+elif LAYER == "omp" and not _user_choice:
+    warnings.warn("fusedrnn: Numba's thread pool was started (OpenMP layer) before fusedrnn "
+                  "could choose its layer; OpenMP threads spin against BLAS between steps and "
+                  "calls run several times slower. Import fusedrnn.cpu before starting Numba's "
+                  "threads, or set NUMBA_THREADING_LAYER=workqueue.", RuntimeWarning,
+                  stacklevel=2)
 LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lock()

@@ -1,0 +1,96 @@
+"""torch integration: fusedrnn.RNN on torch tensors with autograd, and drop-in modules.
+
+Tensors cross to numpy (CPU) or CuPy (CUDA) through DLPack, without copies, and the
+results come back the same way. Imported only when a torch tensor reaches fusedrnn.RNN
+or when this module is imported, so `import fusedrnn` never needs torch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import op
+from .modules import GRU, LSTM, RNN
+
+__all__ = ["RNN", "LSTM", "GRU", "rnn"]
+
+
+def to_array(tensor):
+    """The numpy (CPU) or CuPy (CUDA) view of a tensor's memory; no copy when contiguous."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.device.type == "cuda":
+        import cupy
+        return cupy.from_dlpack(tensor)
+    if tensor.device.type != "cpu":
+        raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
+    return np.from_dlpack(tensor)
+
+
+def to_tensor(array):
+    return None if array is None else torch.from_dlpack(array)
+
+
+class _RNNFunction(torch.autograd.Function):
+    """out, hy, cy = f(data, parameters, state, state_cell); cy is an empty tensor for
+    cells without a cell state. Backward calls rnn_backward on the forward's reserve; a
+    forward that ran without one (inference mode) is recomputed in training mode first."""
+
+    @staticmethod
+    def forward(ctx, data, parameters, state, state_cell, lengths, kwargs):
+        arrays = [None if t is None else to_array(t)
+                  for t in (data, parameters, state, state_cell, lengths)]
+        train = kwargs["train"]
+        result = op.RNN(*arrays[:4], arrays[4], **dict(kwargs, state_outputs=True))
+        handle = result[-1] if train else None
+        if handle is not None and not any(ctx.needs_input_grad[:4]):
+            handle.release()  # training mode (dropout) without a backward to come
+            handle = None
+        out, hy = result[0], result[1]
+        cy = result[2] if kwargs["mode"] == "lstm" else None
+        ctx.handle, ctx.arrays, ctx.kwargs = handle, arrays, kwargs
+        ctx.has_state, ctx.has_cell = state is not None, state_cell is not None
+        ctx.set_materialize_grads(False)
+        outputs = (to_tensor(out), to_tensor(hy),
+                   to_tensor(cy) if cy is not None else data.new_empty(0))
+        if cy is None:
+            ctx.mark_non_differentiable(outputs[2])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, dout, dhy, dcy):
+        handle = ctx.handle
+        if handle is None:  # the forward ran in inference mode: recompute what it skipped
+            kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
+            handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
+        heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
+        if ctx.kwargs["mode"] != "lstm":
+            heads[2] = None
+        grads = op.rnn_backward(handle, *heads)
+        ctx.handle = None
+        return (to_tensor(grads.data), to_tensor(grads.parameters),
+                to_tensor(grads.state) if ctx.has_state else None,
+                to_tensor(grads.state_cell) if ctx.has_cell else None, None, None)
+
+
+def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
+        state_outputs=False, train=None, **kwargs):
+    """fusedrnn.RNN for torch tensors, differentiable with torch.autograd.
+
+    `train` is training mode: dropout applies and, when autograd will need a backward,
+    the forward keeps what backward reads. It defaults to whether autograd needs one. In
+    inference mode (train=False) a backward still works: it recomputes the forward."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (data, parameters, state, state_cell))
+    train = needs_grad if train is None else bool(train)
+    if train and kwargs.get("p", 0.0) > 0 and kwargs.get("seed") is None:
+        kwargs["seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())  # follows torch.manual_seed
+    lengths = None
+    if sequence_length is not None:
+        lengths = sequence_length.to(device=data.device, dtype=torch.int64)
+    kwargs["train"] = train
+    out, hy, cy = _RNNFunction.apply(data, parameters, state, state_cell, lengths, kwargs)
+    if not state_outputs:
+        return out
+    return (out, hy, cy) if kwargs["mode"] == "lstm" else (out, hy)

@@ -1,0 +1,148 @@
+"""Drop-in replacements for torch.nn.RNN / LSTM / GRU running on fusedrnn.
+
+Same constructor and forward signature as torch.nn (input_size, hidden_size, num_layers,
+nonlinearity, bias, batch_first, dropout, bidirectional, proj_size; forward(input, hx)),
+PackedSequence input included. The parameters are one flat nn.Parameter, `weight`, in
+fusedrnn's (MXNet's) layout; load_state_dict also accepts a torch.nn module's state_dict.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from ..layout import BIAS_KINDS, ParamLayout
+from ..validate import check_config
+
+
+class _FusedRNNBase(nn.Module):
+    def __init__(self, mode, input_size, hidden_size, num_layers=1, bias=True,
+                 batch_first=False, dropout=0.0, bidirectional=False, proj_size=0,
+                 device=None, dtype=None):
+        super().__init__()
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
+        if proj_size and proj_size >= hidden_size:
+            raise ValueError(f"proj_size: expected less than hidden_size={hidden_size}, "
+                             f"got {proj_size}")
+        self.mode, self.input_size, self.hidden_size = mode, input_size, hidden_size
+        self.num_layers, self.bias, self.batch_first = num_layers, bias, batch_first
+        self.dropout, self.bidirectional, self.proj_size = float(dropout), bidirectional, proj_size
+        self.layout = ParamLayout(check_config(mode, input_size, hidden_size, num_layers,
+                                               bidirectional, proj_size or None))
+        self.weight = nn.Parameter(torch.empty(self.layout.size, device=device, dtype=dtype))
+        self.reset_parameters()
+        if not bias:  # biases stay zero: their gradient is dropped
+            mask = torch.ones(self.layout.size, dtype=torch.bool)
+            for (layer, d, kind), (offset, shape) in self.layout.blocks.items():
+                if kind in BIAS_KINDS:
+                    mask[offset:offset + math.prod(shape)] = False
+            self.register_buffer("_weight_mask", mask.to(self.weight.device), persistent=False)
+            self.weight.register_hook(lambda g: g * self._weight_mask)
+
+    def reset_parameters(self):
+        """torch.nn's initialisation: every weight and bias ~ U(-1/sqrt(H), 1/sqrt(H))."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if not self.bias:
+                self._zero_biases()
+
+    def _zero_biases(self):
+        for (layer, d, kind), (offset, shape) in self.layout.blocks.items():
+            if kind in BIAS_KINDS:
+                self.weight[offset:offset + math.prod(shape)] = 0
+
+    def views(self):
+        """Every block of `weight` as a view, keyed (layer, direction, kind)."""
+        return self.layout.views(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A torch.nn.RNN/LSTM/GRU state_dict (weight_ih_l0, ...) becomes our flat vector.
+        torch_keys = [k for k in state_dict if k.startswith(prefix) and
+                      k[len(prefix):].split("_l")[0] in ("weight_ih", "weight_hh", "weight_hr",
+                                                         "bias_ih", "bias_hh")]
+        if torch_keys:
+            entries = {k[len(prefix):]: state_dict.pop(k) for k in torch_keys}
+            try:
+                flat = self.layout.from_torch_state_dict(entries)
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return
+            state_dict[prefix + "weight"] = torch.as_tensor(flat, dtype=self.weight.dtype)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def forward(self, input, hx=None):
+        from . import rnn
+        packed = isinstance(input, PackedSequence)
+        lengths = None
+        if packed:
+            data, lengths = pad_packed_sequence(input, batch_first=False)
+        else:
+            data = input.transpose(0, 1) if self.batch_first else input
+        data = data.contiguous()
+        h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
+        if h0 is not None and h0.dim() == 2:  # torch accepts unbatched states with 2-D input
+            raise ValueError("hx: expected (num_layers*directions, N, H) states")
+        outs = rnn(data, self.weight, h0, c0 if self.mode == "lstm" else None,
+                   lengths if packed else None, state_outputs=True, train=self.training,
+                   mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
+                   bidirectional=self.bidirectional, p=self.dropout,
+                   projection_size=self.proj_size or None, use_sequence_length=packed)
+        out, hy = outs[0], outs[1]
+        if packed:
+            out = _repack(out, input)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return (out, (hy, outs[2])) if self.mode == "lstm" else (out, hy)
+
+    def extra_repr(self):
+        s = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
+        for name, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
+                              ("bidirectional", False), ("proj_size", 0)):
+            if getattr(self, name) != default:
+                s += f", {name}={getattr(self, name)}"
+        return s
+
+
+def _repack(out, like):
+    """(T, N, F) padded output -> a PackedSequence with `like`'s batch_sizes and order."""
+    order = like.sorted_indices if like.sorted_indices is not None else torch.arange(
+        out.shape[1], device=out.device)
+    pieces = [out[t, order[:int(n)]] for t, n in enumerate(like.batch_sizes)]
+    return PackedSequence(torch.cat(pieces), like.batch_sizes, like.sorted_indices,
+                          like.unsorted_indices)
+
+
+class RNN(_FusedRNNBase):
+    """torch.nn.RNN on fusedrnn (nonlinearity 'tanh' or 'relu')."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
+                 batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        self.nonlinearity = nonlinearity
+        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias,
+                         batch_first, dropout, bidirectional, 0, device, dtype)
+
+
+class LSTM(_FusedRNNBase):
+    """torch.nn.LSTM on fusedrnn (proj_size included)."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+                 dropout=0.0, bidirectional=False, proj_size=0, device=None, dtype=None):
+        super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first,
+                         dropout, bidirectional, proj_size, device, dtype)
+
+
+class GRU(_FusedRNNBase):
+    """torch.nn.GRU on fusedrnn."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+                 dropout=0.0, bidirectional=False, device=None, dtype=None):
+        super().__init__("gru", input_size, hidden_size, num_layers, bias, batch_first,
+                         dropout, bidirectional, 0, device, dtype)
