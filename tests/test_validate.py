@@ -71,10 +71,13 @@ def test_dropout_is_ignored_in_inference_and_for_one_layer():
     assert np.array_equal(out, fusedrnn.RNN(**case, **kw))
 
 
-def test_other_array_types_are_refused_clearly():
+def test_torch_tensors_are_checked_like_arrays():
     import torch
-    with pytest.raises(NotImplementedError, match="data: torch tensors"):
-        call(data=torch.from_numpy(CASE["data"]))
+    tensors = {k: torch.from_numpy(v) for k, v in CASE.items()}
+    with pytest.raises(TypeError, match="data: expected dtype float32 or float64, got float16"):
+        call(**dict(tensors, data=tensors["data"].half()))
+    with pytest.raises(TypeError, match="parameters: expected a torch.Tensor like data, got numpy"):
+        call(**dict(tensors, parameters=CASE["parameters"]))
 
 
 def test_backward_head_gradients_are_checked():

@@ -81,6 +81,14 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     `train` is training mode: dropout applies and, when autograd will need a backward,
     the forward keeps what backward reads. It defaults to whether autograd needs one. In
     inference mode (train=False) a backward still works: it recomputes the forward."""
+    for name, value in (("parameters", parameters), ("state", state),
+                        ("state_cell", state_cell), ("sequence_length", sequence_length)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like data, got "
+                            f"{type(value).__module__}.{type(value).__name__}")
+        if value is not None and value.device != data.device:
+            raise ValueError(f"{name}: expected a tensor on data's device {data.device}, "
+                             f"got one on {value.device}")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (data, parameters, state, state_cell))
     train = needs_grad if train is None else bool(train)
