@@ -59,7 +59,8 @@ def run(args):
     json_path = args.json or f"fusedrnn-bench-{args.device}.json"
     report.write_json(json_path, meta, results, ceiling)
     plot_path = args.plot or f"fusedrnn-bench-{args.device}-batch.png"
-    note = report.plot_batch(plot_path, results, meta["description"])
+    title = f"fusedrnn bench, {args.device}, {args.dtype}, median of {repeats}"
+    note = report.plot_batch(plot_path, results, title)
     print(f"\nJSON: {json_path}" + (f"\n{note}" if note else
                                      f"\nplot: {plot_path}" if "batch" in groups else ""))
     return 0

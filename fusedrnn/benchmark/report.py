@@ -70,7 +70,9 @@ def plot_batch(path, results, title):
         points = [(c.N, c.N / t[peer]["median"]) for c, t in batch if peer in t]
         if points:
             ax.plot(*zip(*points), marker="o", label=peer)
-    ax.set(xscale="log", yscale="log", xlabel="batch size N", ylabel="samples / s", title=title)
+    first = batch[0][0]
+    ax.set(xscale="log", yscale="log", xlabel="batch size N", ylabel="samples / s",
+           title=f"{title}\n{first.mode} T={first.T} I={first.I} H={first.H} inference")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
