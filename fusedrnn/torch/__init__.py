@@ -6,6 +6,8 @@ or when this module is imported, so `import fusedrnn` never needs torch.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -32,6 +34,14 @@ def to_tensor(array):
     return None if array is None else torch.from_dlpack(array)
 
 
+def _same_stream(tensor):
+    """On CUDA, run CuPy's work on torch's current stream, so the two never race."""
+    if tensor.device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream)
+
+
 class _RNNFunction(torch.autograd.Function):
     """out, hy, cy = f(data, parameters, state, state_cell); cy is an empty tensor for
     cells without a cell state. Backward calls rnn_backward on the forward's reserve; a
@@ -42,7 +52,8 @@ class _RNNFunction(torch.autograd.Function):
         arrays = [None if t is None else to_array(t)
                   for t in (data, parameters, state, state_cell, lengths)]
         train = kwargs["train"]
-        result = op.RNN(*arrays[:4], arrays[4], **dict(kwargs, state_outputs=True))
+        with _same_stream(data):
+            result = op.RNN(*arrays[:4], arrays[4], **dict(kwargs, state_outputs=True))
         handle = result[-1] if train else None
         if handle is not None and not any(ctx.needs_input_grad[:4]):
             handle.release()  # training mode (dropout) without a backward to come
@@ -61,13 +72,17 @@ class _RNNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
         handle = ctx.handle
-        if handle is None:  # the forward ran in inference mode: recompute what it skipped
-            kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
-            handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
-        heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
-        if ctx.kwargs["mode"] != "lstm":
-            heads[2] = None
-        grads = op.rnn_backward(handle, *heads)
+        given = [g for g in (dout, dhy, dcy) if g is not None]
+        if not given:  # no gradient reached any output
+            return (None,) * 6
+        with _same_stream(given[0]):
+            if handle is None:  # the forward ran in inference mode: recompute its record
+                kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
+                handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
+            heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
+            if ctx.kwargs["mode"] != "lstm":
+                heads[2] = None
+            grads = op.rnn_backward(handle, *heads)
         ctx.handle = None
         return (to_tensor(grads.data), to_tensor(grads.parameters),
                 to_tensor(grads.state) if ctx.has_state else None,

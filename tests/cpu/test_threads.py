@@ -44,3 +44,23 @@ def test_concurrent_calls_match_serial():
         assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs))
         assert all((a is None and b is None) or np.array_equal(a, b)
                    for a, b in zip(grads, want_grads))
+
+
+def test_warns_when_numba_threads_started_first_on_a_spinning_layer():
+    """If Numba's pool was started (OpenMP) before fusedrnn chose, fusedrnn keeps the
+    running layer, takes no lock (OpenMP is thread-safe) and says why calls are slow."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import warnings, numba\n"
+            "numba.config.THREADING_LAYER = 'omp'\n"
+            "numba.get_num_threads(); numba.config.THREADING_LAYER = 'default'\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from fusedrnn.cpu import threads\n"
+            "assert threads.LAYER == 'omp', threads.LAYER\n"
+            "assert any('started (OpenMP layer)' in str(x.message) for x in w), w\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("NUMBA_THREADING_LAYER", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -1,0 +1,107 @@
+"""fusedrnn.RNN on torch tensors: DLPack without copies, torch.autograd gradients equal to
+torch.nn's, gradcheck, and backward after an inference-mode forward (which cuDNN refuses)."""
+import numpy as np
+import pytest
+import torch
+
+import fusedrnn
+import fusedrnn.torch as ft
+from conftest import MODES, make_case
+
+
+def _tensors(case, requires_grad=True):
+    return {k: None if v is None else torch.from_numpy(v).requires_grad_(requires_grad)
+            for k, v in case.items()}
+
+
+def _torch_module(mode, kw, I, params):
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode, torch.nn.RNN)
+    extra = {} if mode in ("lstm", "gru") else {"nonlinearity": mode[4:]}
+    module = cls(I, kw["state_size"], num_layers=kw["num_layers"],
+                 bidirectional=kw["bidirectional"], **extra).double()
+    layout = fusedrnn.param_layout(mode=mode, input_size=I, state_size=kw["state_size"],
+                                   num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
+    module.load_state_dict({k: torch.from_numpy(v)
+                            for k, v in layout.to_torch_state_dict(params).items()})
+    return module, layout
+
+
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_autograd_matches_torch_nn(mode, L, D):
+    case, kw, heads = make_case(mode, L=L, D=D, seed=L * D)
+    t = _tensors(case)
+    outs = fusedrnn.RNN(**t, **kw, state_outputs=True)
+    assert all(isinstance(o, torch.Tensor) for o in outs)
+    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(outs, ("dout", "dhy", "dcy")))
+    loss.backward()
+    module, layout = _torch_module(mode, kw, case["data"].shape[2], case["parameters"])
+    x = torch.from_numpy(case["data"]).requires_grad_()
+    h0 = torch.from_numpy(case["state"]).requires_grad_()
+    c0 = torch.from_numpy(case["state_cell"]).requires_grad_() if mode == "lstm" else None
+    ref = module(x, (h0, c0) if mode == "lstm" else h0)
+    ref_outs = (ref[0], *ref[1]) if mode == "lstm" else ref
+    sum((o * torch.from_numpy(heads[k])).sum()
+        for o, k in zip(ref_outs, ("dout", "dhy", "dcy"))).backward()
+    for ours, theirs in zip(outs, ref_outs):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t["data"].grad, x.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t["state"].grad, h0.grad, rtol=1e-10, atol=1e-12)
+    if mode == "lstm":
+        torch.testing.assert_close(t["state_cell"].grad, c0.grad, rtol=1e-10, atol=1e-12)
+    ref_grad = layout.from_torch_state_dict({k: p.grad for k, p in module.named_parameters()})
+    np.testing.assert_allclose(t["parameters"].grad.numpy(), ref_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_dlpack_shares_memory_both_ways():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    a = ft.to_array(x)
+    assert a.ctypes.data == x.data_ptr()
+    back = ft.to_tensor(a)
+    assert back.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck(mode):
+    case, kw, _ = make_case(mode, T=3, N=2, I=2, H=2, L=2, D=2, seed=9)
+    t = _tensors(case)
+    names = [k for k in ("data", "parameters", "state", "state_cell") if t[k] is not None]
+
+    def f(*args):
+        return fusedrnn.RNN(**dict(t, **dict(zip(names, args))), **kw, state_outputs=True)
+    assert torch.autograd.gradcheck(f, tuple(t[k] for k in names), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_after_inference_mode_forward(mode):
+    """train=False keeps no reserve; backward recomputes it and gets the same gradients."""
+    case, kw, heads = make_case(mode, L=2, D=2)
+    grads = []
+    for train in (False, True):
+        t = _tensors(case)
+        out = ft.rnn(**t, **kw, train=train)
+        (out * torch.from_numpy(heads["dout"])).sum().backward()
+        grads.append([t[k].grad for k in ("data", "parameters", "state")])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_dropout_follows_torch_manual_seed():
+    case, kw, _ = make_case("gru", L=3, D=2)
+    t = _tensors(case)
+    torch.manual_seed(3)
+    a = ft.rnn(**t, **kw, p=0.5, train=True)
+    torch.manual_seed(3)
+    b = ft.rnn(**t, **kw, p=0.5, train=True)
+    c = ft.rnn(**t, **kw, p=0.5, train=True)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(ft.rnn(**t, **kw, p=0.5, train=False),
+                       ft.rnn(**t, **kw, p=0.0, train=False))
+
+
+def test_no_grad_inference_keeps_no_graph():
+    case, kw, _ = make_case("lstm")
+    with torch.no_grad():
+        out = fusedrnn.RNN(**_tensors(case), **kw)
+    assert out.grad_fn is None and not out.requires_grad

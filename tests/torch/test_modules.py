@@ -1,0 +1,162 @@
+"""fusedrnn.torch.RNN/LSTM/GRU as drop-in torch.nn modules: same outputs and gradients as
+torch.nn (float64, <= 1e-10) for every mode, layers, directions, batch_first, packed
+input and projection, torch state_dicts loaded as they are, and the same training curve."""
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import fusedrnn.torch as ft
+
+CLASSES = {"rnn_tanh": ("RNN", {"nonlinearity": "tanh"}), "rnn_relu": ("RNN", {"nonlinearity": "relu"}),
+           "lstm": ("LSTM", {}), "gru": ("GRU", {})}
+
+
+def pair(mode, **kw):
+    """(torch.nn module, fusedrnn module with its weights), float64."""
+    name, extra = CLASSES[mode]
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, name)(**kw, **extra).double()
+    ours = getattr(ft, name)(**kw, **extra).double()
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def run_both(theirs, ours, make_input, hx_shape=None, cell=False):
+    results = []
+    for module in (theirs, ours):
+        torch.manual_seed(1)
+        x = make_input()
+        hx = None
+        if hx_shape:
+            h = torch.randn(hx_shape[0], dtype=torch.float64, requires_grad=True)
+            hx = (h, torch.randn(hx_shape[1], dtype=torch.float64, requires_grad=True)) if cell else h
+        out, state = module(x, hx)
+        out_t = out.data if hasattr(out, "batch_sizes") else out
+        loss = (out_t ** 2).sum() + sum((s ** 3).sum() for s in (state if cell else (state,)))
+        loss.backward()
+        leaves = ([] if hasattr(x, "batch_sizes") else [x]) + (
+            list(hx) if cell and hx else [hx] if hx is not None else [])
+        results.append((out_t, state, [leaf.grad for leaf in leaves if leaf is not None]))
+    return results
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def weight_grads(theirs, ours):
+    return ours.layout.from_torch_state_dict({k: p.grad for k, p in theirs.named_parameters()})
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_module_matches_torch_nn(mode, num_layers, bidirectional, batch_first):
+    theirs, ours = pair(mode, input_size=4, hidden_size=5, num_layers=num_layers,
+                        bidirectional=bidirectional, batch_first=batch_first)
+    D = 2 if bidirectional else 1
+    shape = (3, 6, 4) if batch_first else (6, 3, 4)
+    hx = ((num_layers * D, 3, 5), (num_layers * D, 3, 5))
+    (o1, s1, g1), (o2, s2, g2) = run_both(
+        theirs, ours, lambda: torch.randn(*shape, dtype=torch.float64, requires_grad=True),
+        hx, cell=mode == "lstm")
+    close(o2, o1)
+    for a, b in zip(s2 if mode == "lstm" else (s2,), s1 if mode == "lstm" else (s1,)):
+        close(a, b)
+    for a, b in zip(g2, g1):
+        close(a, b)
+    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_packed_sequence_input(mode, bidirectional):
+    theirs, ours = pair(mode, input_size=3, hidden_size=4, num_layers=2, bidirectional=bidirectional)
+    lengths = torch.tensor([5, 2, 4, 1])
+
+    def packed():
+        x = torch.randn(5, 4, 3, dtype=torch.float64, requires_grad=True)
+        return pack_padded_sequence(x, lengths, enforce_sorted=False)
+    (o1, s1, _), (o2, s2, _) = run_both(theirs, ours, packed, cell=mode == "lstm")
+    close(o2, o1)
+    for a, b in zip(s2 if mode == "lstm" else (s2,), s1 if mode == "lstm" else (s1,)):
+        close(a, b)
+    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_projection(bidirectional):
+    theirs, ours = pair("lstm", input_size=3, hidden_size=6, num_layers=2, proj_size=2,
+                        bidirectional=bidirectional)
+    D = 2 if bidirectional else 1
+    (o1, s1, g1), (o2, s2, g2) = run_both(
+        theirs, ours, lambda: torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True),
+        ((2 * D, 3, 2), (2 * D, 3, 6)), cell=True)
+    close(o2, o1)
+    for a, b in zip(list(s2) + g2, list(s1) + g1):
+        close(a, b)
+    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+
+
+def test_bias_false_keeps_biases_zero():
+    theirs, ours = pair("gru", input_size=3, hidden_size=4, bias=False)
+    (o1, _, g1), (o2, _, g2) = run_both(
+        theirs, ours, lambda: torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True))
+    close(o2, o1)
+    views = ours.layout.views(ours.weight.grad)
+    assert all(torch.count_nonzero(views[k]) == 0 for k in views if k[2].startswith("b_"))
+
+
+def test_eval_mode_ignores_dropout_and_train_mode_applies_it():
+    _, ours = pair("lstm", input_size=3, hidden_size=4, num_layers=3, dropout=0.5)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    ours.eval()
+    a, b = ours(x)[0], ours(x)[0]
+    assert torch.equal(a, b)
+    ours.train()
+    assert not torch.equal(ours(x)[0], a)
+
+
+def test_sequence_classifier_trains_like_torch_nn():
+    """The same small model with torch.nn.LSTM and with fusedrnn.torch.LSTM: same loss curve."""
+    def model(cls):
+        torch.manual_seed(0)
+        rnn = cls(input_size=3, hidden_size=8, num_layers=2, batch_first=True, bidirectional=True)
+        head = torch.nn.Linear(16, 2)
+        return torch.nn.ModuleDict(dict(rnn=rnn, head=head)).double()
+
+    torch.manual_seed(42)
+    x = torch.randn(32, 7, 3, dtype=torch.float64)
+    y = (x.sum(dim=(1, 2)) > 0).long()
+    theirs = model(torch.nn.LSTM)
+    ours = model(ft.LSTM)
+    ours["rnn"].load_state_dict(theirs["rnn"].state_dict())
+    curves = []
+    for m in (theirs, ours):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        losses = []
+        for _ in range(25):
+            opt.zero_grad()
+            out, _ = m["rnn"](x)
+            loss = torch.nn.functional.cross_entropy(m["head"](out[:, -1]), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    assert curves[0][-1] < 0.95 * curves[0][0]  # it learns
+    for a, b in zip(*curves):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(a))
+
+
+def test_own_state_dict_round_trip():
+    _, ours = pair("gru", input_size=3, hidden_size=4, num_layers=2)
+    fresh = ft.GRU(3, 4, num_layers=2).double()
+    fresh.load_state_dict(ours.state_dict())
+    assert torch.equal(fresh.weight, ours.weight)
+
+
+def test_wrong_state_dict_is_refused():
+    ours = ft.LSTM(3, 4)
+    with pytest.raises(RuntimeError, match="weight_ih_l0"):
+        ours.load_state_dict(torch.nn.LSTM(5, 4).state_dict())
