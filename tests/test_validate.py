@@ -7,6 +7,7 @@ from conftest import make_case, rel_err
 from reference import rnn_reference
 
 CASE, KW, HEADS = make_case("lstm", L=2)
+GRU_PARAMETERS = make_case("gru", L=2)[0]["parameters"]
 
 
 def call(**changes):
@@ -42,6 +43,58 @@ BAD = [
      "sequence_length: given, but use_sequence_length=False"),
     (dict(mode="gru", state_cell=None, projection_size=3), ValueError,
      "projection_size: only mode='lstm'"),
+    # shapes and sizes
+    (dict(data=CASE["data"][:, :0]), ValueError, r"data: .*got \(4, 0, 5\)"),
+    (dict(data=CASE["data"][:, :, :0]), ValueError, r"data: .*got \(4, 3, 0\)"),
+    (dict(data=CASE["data"][None]), ValueError, "data: expected 3 dimensions, got shape"),
+    (dict(data=np.float64(1.0)), TypeError, "data: expected a numpy.ndarray"),
+    (dict(data=CASE["data"].astype(np.float16)), TypeError, "data: expected dtype float32 or "
+     "float64, got float16"),
+    (dict(data=CASE["data"] > 0), TypeError, "data: expected dtype float32 or float64, got bool"),
+    (dict(parameters=CASE["parameters"].astype(np.int64)), TypeError, "parameters: expected dtype"),
+    (dict(parameters=list(CASE["parameters"])), TypeError, "parameters: expected a numpy.ndarray"),
+    (dict(state_size=2 ** 40), ValueError, r"parameters: expected \d+ elements"),  # no allocation
+    (dict(state=CASE["state"].tolist()), TypeError, "state: expected a numpy.ndarray like data"),
+    (dict(state=CASE["state"].astype(np.int32)), TypeError, "state: expected dtype float64"),
+    (dict(state=CASE["state"][0]), ValueError, "state: expected 3 dimensions"),
+    (dict(state_cell=CASE["state_cell"][0]), ValueError, "state_cell: expected 3 dimensions"),
+    (dict(state_cell=CASE["state_cell"].astype(np.float32)), TypeError, "state_cell: expected dtype"),
+    # options
+    (dict(num_layers=0), ValueError, "num_layers: expected a positive int, got 0"),
+    (dict(num_layers="2"), TypeError, "num_layers: expected a positive int, got str"),
+    (dict(state_size=-3), ValueError, "state_size: expected a positive int, got -3"),
+    (dict(mode="LSTM"), ValueError, "mode: expected one of .*got 'LSTM'"),
+    (dict(bidirectional=1), TypeError, "bidirectional: expected a bool, got int"),
+    (dict(p=float("nan")), ValueError, "p: expected a dropout probability in"),
+    (dict(train="yes"), TypeError, "train: expected a bool, got str"),
+    (dict(seed=-1), ValueError, "seed: expected None or a non-negative int, got -1"),
+    (dict(seed=1.5), ValueError, "seed: expected None or a non-negative int"),
+    (dict(projection_size=0), ValueError, "projection_size: expected a positive int, got 0"),
+    (dict(projection_size="3"), TypeError, "projection_size: expected a positive int"),
+    (dict(lstm_state_clip_min=1.0, lstm_state_clip_max=-1.0), ValueError,
+     "lstm_state_clip_min: expected min <= max"),
+    (dict(lstm_state_clip_min=-1.0), ValueError, "give both bounds or neither"),
+    (dict(lstm_state_clip_min=float("nan"), lstm_state_clip_max=1.0), ValueError,
+     "lstm_state_clip_min: expected a number, got NaN"),
+    (dict(lstm_state_clip_min="-1", lstm_state_clip_max=1.0), TypeError,
+     "lstm_state_clip_min: expected a float"),
+    (dict(lstm_state_clip_nan="yes"), TypeError, "lstm_state_clip_nan: expected a bool"),
+    (dict(mode="gru", state_cell=None, parameters=GRU_PARAMETERS, lstm_state_clip_min=-1.0,
+          lstm_state_clip_max=1.0),
+     ValueError, "only mode='lstm' has a cell state to clip"),
+    # sequence lengths
+    (dict(use_sequence_length=True), ValueError, "sequence_length: use_sequence_length=True "
+     "needs"),
+    (dict(use_sequence_length=True, sequence_length=np.array([4.0, 1.0, 2.0])), TypeError,
+     "sequence_length: expected an integer dtype, got float64"),
+    (dict(use_sequence_length=True, sequence_length=np.array([4, 1])), ValueError,
+     r"sequence_length: expected shape \(N,\) = \(3,\), got \(2,\)"),
+    (dict(use_sequence_length=True, sequence_length=np.array([4, 0, 2])), ValueError,
+     "sequence_length: expected every length in 1..T = 1..4, got values from 0 to 4"),
+    (dict(use_sequence_length=True, sequence_length=np.array([5, 1, 2])), ValueError,
+     "sequence_length: expected every length in 1..T = 1..4"),
+    (dict(use_sequence_length=True, sequence_length=[4, 1, 2]), TypeError,
+     "sequence_length: expected a numpy.ndarray like data, got builtins.list"),
 ]
 
 
@@ -51,6 +104,22 @@ def test_bad_input_raises_and_leaves_cache_usable(changes, error, message):
         call(**changes)
     out = call()
     assert rel_err(out, rnn_reference(**CASE, **KW)[0]) <= 1e-10
+
+
+def test_corpus_is_large():
+    assert len(BAD) >= 40
+
+
+def test_nan_and_inf_in_data_propagate_without_harm():
+    """Documented result: non-finite inputs are not errors; they propagate through the
+    arithmetic like in torch.nn (a NaN reaches every later step of its sample)."""
+    data = CASE["data"].copy()
+    data[1, 0, 0] = np.nan
+    data[2, 2, 1] = np.inf
+    out = call(data=data)
+    assert np.isnan(out[1:, 0]).all() and np.isfinite(out[0]).all()
+    assert np.isfinite(out[:, 1]).all()            # other samples are untouched
+    assert rel_err(call(), rnn_reference(**CASE, **KW)[0]) <= 1e-10
 
 
 def test_state_cell_is_lstm_only():

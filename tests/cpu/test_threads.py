@@ -14,8 +14,9 @@ def test_threading_layer_is_guarded_when_not_threadsafe():
 
 
 def test_concurrent_calls_match_serial():
-    cases = [make_case(mode, T=3 + i % 3, L=1 + i % 2, D=1 + i % 2, seed=i)
-             for i, mode in enumerate(MODES * 2)]
+    """8 threads x 200 calls of mixed modes and shapes, training forward + backward."""
+    cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i)
+             for i, mode in enumerate(MODES * 3)]
 
     def run(case, kw, heads):
         *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
@@ -26,8 +27,8 @@ def test_concurrent_calls_match_serial():
 
     def worker(w):
         try:
-            for rep in range(10):
-                i = (w + rep) % len(cases)
+            for rep in range(200):
+                i = (w * 7 + rep) % len(cases)
                 results[(w, rep)] = (i, run(*cases[i]))
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
@@ -38,7 +39,7 @@ def test_concurrent_calls_match_serial():
     for t in pool:
         t.join()
     assert not errors
-    assert len(results) == 80
+    assert len(results) == 1600
     for i, (outs, grads) in results.values():
         want_outs, want_grads = serial[i]
         assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs))
