@@ -55,6 +55,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
                                  call.options, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
+    thread_cache().trim(keep=key)
     if train:
         outputs += (TrainingHandle(backend, key, call, reserve),)
     return outputs[0] if len(outputs) == 1 else outputs
@@ -84,10 +85,14 @@ class TrainingHandle:
         return self._reserve is None
 
     def release(self) -> None:
-        """Give the reserve back for reuse; backward is no longer possible."""
+        """Give the reserve back for reuse (to this thread's op, if it is still cached;
+        else it is freed); backward is no longer possible."""
         if self._reserve is not None:
-            op = _cached_op(self._backend, self._key, self._call)
-            op.give_back_reserve(self._reserve)
+            cache = thread_cache()
+            op = cache.peek(self._key)
+            if op is not None:
+                op.give_back_reserve(self._reserve)
+                cache.trim(keep=self._key)
             self._reserve = None
 
 
@@ -117,6 +122,7 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
                                                    dout, dhy, dcy)
     if not retain:
         handle.release()
+    thread_cache().trim(keep=handle._key)
     return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,
                         g_c0 if call.state_cell is not None else None)
 

@@ -8,7 +8,9 @@ that forward's handle until backward returns it, so eviction or a later forward 
 touches it.
 
 Limits (per thread): at most `max_entries` ops and `max_bytes` of their buffers; the
-least recently used ops are dropped first. Defaults: 32 entries, 1 GiB.
+least recently used ops are dropped first, after every call (an op grows on a hit too:
+its backward scratch, a recycled reserve). The op in use is never dropped, so one op
+larger than max_bytes alone stays. Defaults: 32 entries, 1 GiB.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ class OpCache:
         self._ops[key] = op
         self.trim(keep=key)
         return op
+
+    def peek(self, key):
+        """The cached op for `key`, or None; counts as neither hit nor miss."""
+        return self._ops.get(key)
 
     def nbytes(self):
         return sum(op.nbytes for op in self._ops.values())

@@ -130,3 +130,12 @@ def test_limits_are_validated(limits):
         limits(max_entries=0)
     with pytest.raises(ValueError, match="max_bytes"):
         limits(max_bytes=-5)
+
+
+def test_release_after_clear_does_not_rebuild_the_op():
+    case, kw, _ = make_case("lstm")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    fusedrnn.clear_cache()
+    handle.release()
+    info = fusedrnn.cache_info()
+    assert handle.released and (info.misses, info.entries) == (0, 0)
