@@ -9,6 +9,7 @@ weight_hr map one to one.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,7 +41,7 @@ class ParamLayout:
         def put(key, shape):
             nonlocal offset
             out[key] = (offset, shape)
-            offset += int(np.prod(shape))
+            offset += math.prod(shape)
 
         for layer in range(cfg.num_layers):
             for d in range(cfg.directions):
@@ -57,12 +58,12 @@ class ParamLayout:
     @cached_property
     def size(self) -> int:
         offset, shape = list(self.blocks.values())[-1]
-        return offset + int(np.prod(shape))
+        return offset + math.prod(shape)
 
     def view(self, flat, layer: int, direction: int, kind: str):
         """A view (no copy) of one block of `flat`; works for numpy and CuPy arrays."""
         offset, shape = self.blocks[(layer, direction, kind)]
-        return flat[offset:offset + int(np.prod(shape))].reshape(shape)
+        return flat[offset:offset + math.prod(shape)].reshape(shape)
 
     def views(self, flat) -> dict[tuple[int, int, str], object]:
         """Every block of `flat` as a view, keyed (layer, direction, kind)."""
@@ -109,6 +110,15 @@ class ParamLayout:
     def _check_flat(self, flat):
         if flat.shape != (self.size,):
             raise ValueError(f"parameters: expected shape ({self.size},), got {flat.shape}")
+
+
+def expected_size(cfg) -> int:
+    """The flat vector's length by the spec's closed formula (Python ints: no overflow,
+    no per-layer loop), so absurd sizes are refused before anything is built."""
+    D, G, H, I, L = cfg.directions, cfg.cell.gates, cfg.state_size, cfg.input_size, cfg.num_layers
+    R = cfg.recurrent_size
+    size = D * G * H * (I + R + 2) + (L - 1) * D * G * H * (D * R + R + 2)
+    return size + (L * D * R * H if cfg.projection_size else 0)
 
 
 def _to_numpy(value) -> np.ndarray:

@@ -15,7 +15,7 @@ __all__ = ["RNN", "rnn_backward", "TrainingHandle", "RNNGradients"]
 def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, state_size,
         num_layers, mode, bidirectional=False, p=0.0, state_outputs=False,
         projection_size=None, lstm_state_clip_min=None, lstm_state_clip_max=None,
-        lstm_state_clip_nan=False, use_sequence_length=False, train=False, seed=None):
+        lstm_state_clip_nan=False, use_sequence_length=False, train=None, seed=None):
     """MXNet's RNN operator: the whole sequence, all layers and directions, in one call.
 
     data (T, N, I); parameters: the flat vector (see fusedrnn.layout); state
@@ -28,7 +28,8 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     (None: fresh entropy); the same seed gives the same masks.
 
     torch tensors (CPU or CUDA) go through DLPack without copies and return tensors that
-    torch.autograd differentiates (no handle is appended; see fusedrnn.torch.rnn).
+    torch.autograd differentiates (no handle is appended; see fusedrnn.torch.rnn). There
+    `train` defaults to whether autograd will need a backward; for arrays, to False.
     """
     if type(data).__module__.split(".")[0] == "torch":
         from .torch import rnn
@@ -39,6 +40,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                    lstm_state_clip_max=lstm_state_clip_max,
                    lstm_state_clip_nan=lstm_state_clip_nan,
                    use_sequence_length=use_sequence_length, seed=seed)
+    train = False if train is None else train
     backend = _backend_for(data)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,
                       state_size=state_size, num_layers=num_layers, mode=mode,

@@ -105,8 +105,8 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
 
     T, N, _ = data.shape
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
-    from .layout import ParamLayout
-    expected = ParamLayout(cfg).size
+    from .layout import expected_size
+    expected = expected_size(cfg)
     parameters = _array("parameters", parameters, 1, backend, data)
     if parameters.shape[0] != expected:
         formula = ("D*G*H*(I+P+2) + (L-1)*D*G*H*(D*P+P+2) + L*D*P*H" if cfg.projection_size
@@ -163,7 +163,8 @@ def _check_lengths(backend, data, sequence_length, use_sequence_length):
     if bool(((sequence_length < 1) | (sequence_length > T)).any()):
         raise ValueError(f"sequence_length: expected every length in 1..T = 1..{T}, got "
                          f"values from {int(sequence_length.min())} to {int(sequence_length.max())}")
-    return backend.contiguous(sequence_length.astype("int64", copy=False))
+    # Always a copy: backward must see the lengths the forward saw.
+    return backend.contiguous(sequence_length.astype("int64", copy=True))
 
 
 def _check_clip(cfg, lo, hi, clip_nan):

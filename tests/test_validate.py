@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import make_case, rel_err
+from conftest import make_case, param_count, rel_err
 from reference import rnn_reference
 
 CASE, KW, HEADS = make_case("lstm", L=2)
@@ -161,3 +161,26 @@ def test_backward_head_gradients_are_checked():
         fusedrnn.rnn_backward(object(), HEADS["dout"])
     grads = fusedrnn.rnn_backward(handle, HEADS["dout"])   # the handle is still good
     assert np.isfinite(grads.parameters).all()
+
+
+def test_absurd_sizes_are_refused_fast_and_exactly():
+    import time
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"parameters: expected \d+ elements"):
+        call(num_layers=10 ** 8)
+    assert time.perf_counter() - start < 1.0              # no per-layer work before the check
+    exact = param_count("lstm", 5, 2 ** 31, 2, 1)         # > 2**63: int64 would overflow
+    assert exact > 2 ** 63
+    with pytest.raises(ValueError, match=f"parameters: expected {exact} elements"):
+        call(state_size=2 ** 31)
+
+
+def test_lengths_are_copied_so_later_changes_cannot_reach_backward():
+    case, kw, heads = make_case("gru", L=2)
+    lens = np.array([4, 1, 2], np.int64)
+    _, handle = fusedrnn.RNN(**case, **kw, sequence_length=lens, use_sequence_length=True,
+                             train=True)
+    expected = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+    lens[:] = 4
+    got = fusedrnn.rnn_backward(handle, heads["dout"])
+    assert np.array_equal(got.data, expected.data)

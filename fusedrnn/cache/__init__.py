@@ -62,8 +62,8 @@ class OpCache:
         """Evict least-recently-used ops until within limits (never `keep`)."""
         while len(self._ops) > 1 and (len(self._ops) > _limits["max_entries"]
                                       or self.nbytes() > _limits["max_bytes"]):
-            oldest = next(iter(self._ops))
-            if oldest == keep:
+            oldest = next((k for k in self._ops if k != keep), None)
+            if oldest is None:
                 break
             del self._ops[oldest]
             self.evictions += 1

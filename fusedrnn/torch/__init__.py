@@ -61,6 +61,10 @@ class _RNNFunction(torch.autograd.Function):
         out, hy = result[0], result[1]
         cy = result[2] if kwargs["mode"] == "lstm" else None
         ctx.handle, ctx.arrays, ctx.kwargs = handle, arrays, kwargs
+        # Saved for torch's version counters: an in-place change of an input before
+        # backward raises there, as with torch.nn, instead of changing the gradients.
+        ctx.save_for_backward(*(t for t in (data, parameters, state, state_cell)
+                                if t is not None))
         ctx.has_state, ctx.has_cell = state is not None, state_cell is not None
         ctx.set_materialize_grads(False)
         outputs = (to_tensor(out), to_tensor(hy),
@@ -71,6 +75,7 @@ class _RNNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
+        ctx.saved_tensors  # noqa: B018  (raises if an input was modified in place)
         handle = ctx.handle
         given = [g for g in (dout, dhy, dcy) if g is not None]
         if not given:  # no gradient reached any output
@@ -78,12 +83,13 @@ class _RNNFunction(torch.autograd.Function):
         with _same_stream(given[0]):
             if handle is None:  # the forward ran in inference mode: recompute its record
                 kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
-                handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
+                handle = ctx.handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
             heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
             if ctx.kwargs["mode"] != "lstm":
                 heads[2] = None
-            grads = op.rnn_backward(handle, *heads)
-        ctx.handle = None
+            # retain: a second backward (retain_graph=True) reuses the same record and
+            # dropout masks; the reserve is freed with the graph (ctx).
+            grads = op.rnn_backward(handle, *heads, retain=True)
         return (to_tensor(grads.data), to_tensor(grads.parameters),
                 to_tensor(grads.state) if ctx.has_state else None,
                 to_tensor(grads.state_cell) if ctx.has_cell else None, None, None)
@@ -104,10 +110,13 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         if value is not None and value.device != data.device:
             raise ValueError(f"{name}: expected a tensor on data's device {data.device}, "
                              f"got one on {value.device}")
+    if train is not None and not isinstance(train, bool):
+        raise TypeError(f"train: expected a bool or None, got {type(train).__name__} {train!r}")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (data, parameters, state, state_cell))
-    train = needs_grad if train is None else bool(train)
-    if train and kwargs.get("p", 0.0) > 0 and kwargs.get("seed") is None:
+    train = needs_grad if train is None else train
+    p = kwargs.get("p", 0.0)
+    if train and isinstance(p, (int, float)) and p > 0 and kwargs.get("seed") is None:
         kwargs["seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())  # follows torch.manual_seed
     lengths = None
     if sequence_length is not None:

@@ -139,3 +139,15 @@ def test_release_after_clear_does_not_rebuild_the_op():
     handle.release()
     info = fusedrnn.cache_info()
     assert handle.released and (info.misses, info.entries) == (0, 0)
+
+
+def test_byte_limit_holds_when_the_kept_op_is_the_oldest(limits):
+    """Trimming skips the op in use and evicts the next least recent one."""
+    big, bkw, heads = make_case("lstm", T=6, N=4, L=2, D=2)
+    small, skw, _ = make_case("gru", T=3)
+    _, handle = fusedrnn.RNN(**big, **bkw, train=True)   # the big op, then the small one
+    fusedrnn.RNN(**small, **skw)
+    limits(max_bytes=fusedrnn.cache_info().nbytes)
+    handle.release()                                      # the big op grows by its reserve
+    info = fusedrnn.cache_info()
+    assert info.entries == 1 and info.evictions >= 1

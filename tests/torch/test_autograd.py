@@ -105,3 +105,47 @@ def test_no_grad_inference_keeps_no_graph():
     with torch.no_grad():
         out = fusedrnn.RNN(**_tensors(case), **kw)
     assert out.grad_fn is None and not out.requires_grad
+
+
+def test_second_backward_with_retain_graph_reuses_the_dropout_masks():
+    case, kw, heads = make_case("gru", L=2, D=2)
+    t = _tensors(case)
+    out = ft.rnn(**t, **kw, p=0.5, train=True, seed=5)
+    loss = (out * torch.from_numpy(heads["dout"])).sum()
+    loss.backward(retain_graph=True)
+    first = t["parameters"].grad.clone()
+    t["parameters"].grad = None
+    loss.backward()
+    torch.testing.assert_close(t["parameters"].grad, first, rtol=0, atol=0)
+
+
+def test_in_place_change_before_backward_raises_like_torch_nn():
+    case, kw, _ = make_case("lstm")
+    t = _tensors(case)
+    w = t["parameters"].detach().clone().requires_grad_()
+    scaled = w * 1.0                      # a non-leaf that can be changed in place
+    out = fusedrnn.RNN(**dict(t, parameters=scaled), **kw)
+    scaled.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_rnn_on_tensors_trains_when_autograd_needs_it():
+    """fusedrnn.RNN's train defaults, for tensors, to whether a backward will come: dropout
+    applies (and one forward serves the backward) without passing train=True."""
+    case, kw, _ = make_case("gru", L=2)
+    t = _tensors(case)
+    dropped = fusedrnn.RNN(**t, **kw, p=0.5, seed=1)
+    plain = fusedrnn.RNN(**t, **kw, p=0.0)
+    assert not torch.equal(dropped, plain)
+    with torch.no_grad():
+        assert torch.equal(fusedrnn.RNN(**t, **kw, p=0.5), plain)
+
+
+def test_torch_path_checks_its_arguments():
+    case, kw, _ = make_case("gru", L=2)
+    t = _tensors(case)
+    with pytest.raises(TypeError, match="train: expected a bool"):
+        ft.rnn(**t, **kw, train="no")
+    with pytest.raises(TypeError, match="p: expected a float"):
+        ft.rnn(**t, **kw, p="0.5", train=True)
