@@ -148,9 +148,10 @@ def _head_grad(backend, name, value, shape, call, allowed):
     if backend.device_key(value) != backend.device_key(call.data):
         raise ValueError(f"{name}: expected an array on data's device "
                          f"{backend.device_key(call.data)}, got {backend.device_key(value)}")
-    if value.dtype != call.dtype or value.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape} and dtype {call.dtype}, "
-                         f"got {value.shape} {value.dtype}")
+    if value.dtype != call.dtype:
+        raise TypeError(f"{name}: expected dtype {call.dtype} (data's dtype), got {value.dtype}")
+    if value.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {value.shape}")
     return backend.contiguous(value)
 
 

@@ -151,8 +151,10 @@ def test_torch_tensors_are_checked_like_arrays():
 
 def test_backward_head_gradients_are_checked():
     _, handle = call(train=True)
-    with pytest.raises(ValueError, match=r"dout: expected shape \(4, 3, 6\) and dtype float64"):
+    with pytest.raises(ValueError, match=r"dout: expected shape \(4, 3, 6\), got \(1, 3, 6\)"):
         fusedrnn.rnn_backward(handle, HEADS["dout"][:1])
+    with pytest.raises(TypeError, match="dout: expected dtype float64 .data's dtype., got float32"):
+        fusedrnn.rnn_backward(handle, HEADS["dout"].astype(np.float32))
     with pytest.raises(ValueError, match="dhy: this forward has no such output"):
         fusedrnn.rnn_backward(handle, HEADS["dout"], dhy=HEADS["dhy"])
     with pytest.raises(TypeError, match="dout: expected a numpy.ndarray like data"):

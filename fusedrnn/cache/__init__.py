@@ -14,6 +14,7 @@ larger than max_bytes alone stays. Defaults: 32 entries, 1 GiB.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -101,10 +102,12 @@ def clear_cache() -> None:
 def set_cache_limits(max_entries: int | None = None, max_bytes: int | None = None) -> None:
     """Set the per-thread limits (all threads); the calling thread's cache is trimmed now,
     others at their next miss."""
+    new = {}
     for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        _limits[name] = value
+        new[name] = int(value)
+    _limits.update(new)  # both checked first: a bad call changes nothing
     thread_cache().trim()

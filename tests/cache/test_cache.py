@@ -129,7 +129,10 @@ def test_limits_are_validated(limits):
     with pytest.raises(ValueError, match="max_entries"):
         limits(max_entries=0)
     with pytest.raises(ValueError, match="max_bytes"):
-        limits(max_bytes=-5)
+        limits(max_entries=4, max_bytes=-5)
+    assert fusedrnn.cache_info().max_entries == 32       # a bad call changes nothing
+    limits(max_entries=np.int64(4))
+    assert fusedrnn.cache_info().max_entries == 4
 
 
 def test_release_after_clear_does_not_rebuild_the_op():
