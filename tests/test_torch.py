@@ -40,10 +40,10 @@ def test_matches_torch_forward_and_backward(mode, L, D, dtype):
     if mode == "lstm":
         c0 = torch.from_numpy(case["state_cell"]).requires_grad_()
         t_out, (t_hy, t_cy) = module(x, (h0, c0))
-        t_outs, inputs = (t_out, t_hy, t_cy), (x, h0, c0)
+        t_outs = (t_out, t_hy, t_cy)
     else:
         t_out, t_hy = module(x, h0)
-        t_outs, inputs = (t_out, t_hy), (x, h0)
+        t_outs = (t_out, t_hy)
     loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(t_outs, ("dout", "dhy", "dcy")))
     loss.backward()
 

@@ -52,11 +52,10 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
+from ..recurrence import CLIP, CLIP_NAN  # the clip_flags bits, defined once
 from .threads import LAUNCH_LOCK
 
 __all__ = ["cell_kernels"]
-
-CLIP, CLIP_NAN = 1, 2
 
 
 @nb.njit(inline="always", cache=True)
