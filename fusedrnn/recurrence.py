@@ -78,6 +78,7 @@ class RecurrentOp:
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
         self.forward_step, self.backward_step = backend.cell_kernels(config.mode, dtype)
+        self.fused = backend.fused_layer(config, dtype)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         lstm, proj = config.cell.has_cell_state, bool(config.projection_size)
@@ -91,7 +92,12 @@ class RecurrentOp:
             "hraw": (N, H if proj else 0),  # the unprojected h of one step (inference)
             "ys": (min(L - 1, 2), T, N, D * R),
             "empty": (0, 0),
+            "no_record": (0, 0, 0, 0),
         }
+        if self.fused is not None:
+            blocks = self.fused.blocks(H)
+            shapes["wpack"] = (blocks, config.cell.gates, H, self.fused.panel)
+            shapes["tiles"] = (blocks, N, self.fused.tile_width)
         self.scratch, self.nbytes = _carve(self.xp, dtype, shapes)
         self.no_lengths = self.xp.empty(0, dtype="int64")
         self._backward_scratch = None
@@ -202,6 +208,9 @@ class RecurrentOp:
         empty, s, lay = self.scratch.empty, self.scratch, self.layout
         xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         xproj = s.xproj.reshape(T, N, D * GH)
+        if self.fused is not None:
+            self._fused_layer_forward(layer, xproj, params, h0, c0, y, opts, hs, cs, saved)
+            return
         active, inactive = masks
         for d in range(D):
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
@@ -234,6 +243,21 @@ class RecurrentOp:
                     xp.multiply(states, active, out=y[:, :, d * R:(d + 1) * R])
                 else:
                     y[:, :, d * R:(d + 1) * R] = states
+
+    def _fused_layer_forward(self, layer, xproj, params, h0, c0, y, opts, hs, cs, saved):
+        """The backend's whole-layer loop (cpu/fused.py), one call per direction."""
+        cfg, T, s, lay = self.config, self.T, self.scratch, self.layout
+        lengths = self.no_lengths if opts.lengths is None else opts.lengths
+        for d in range(cfg.directions):
+            idx, first = layer * cfg.directions + d, (0 if d == 0 else T)
+            hs[d, first] = h0[idx] if h0 is not None else 0
+            if cfg.cell.has_cell_state:
+                cs[d, first] = c0[idx] if c0 is not None else 0
+            self.fused.pack(lay.view(params, layer, d, "W_h"), s.wpack)
+            self.fused.forward(xproj, d, s.wpack, lay.view(params, layer, d, "b_x"),
+                               lay.view(params, layer, d, "b_h"), hs, cs, y,
+                               s.no_record if saved is None else saved, s.tiles, lengths,
+                               opts.clip_lo, opts.clip_hi, opts.clip_flags)
 
     # -- backward ---------------------------------------------------------------------
     def _backward_buffers(self):

@@ -7,6 +7,7 @@ import numpy as np
 
 from . import threads  # noqa: F401  (picks a thread-safe Numba threading layer first)
 from .cells import cell_kernels
+from .fused import fused_layer
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -19,6 +20,14 @@ class CpuBackend:
     @staticmethod
     def cell_kernels(mode, dtype):
         return cell_kernels(mode, dtype)
+
+    @staticmethod
+    def fused_layer(config, dtype):
+        """The whole-layer fused loop (fused.py) where it applies: every cell without
+        a projection. None sends the driver down the generic per-step path."""
+        if config.projection_size:
+            return None
+        return fused_layer(config.mode, dtype)
 
     @staticmethod
     def is_array(value):

@@ -44,7 +44,6 @@ backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, 
 """
 from __future__ import annotations
 
-import math
 import threading
 
 import numba as nb
@@ -52,20 +51,11 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from ..recurrence import CLIP, CLIP_NAN  # the clip_flags bits, defined once
+from .mathfn import tanh, zero_like
 from .threads import LAUNCH_LOCK
+from .units import FORWARD_UNITS, unclipped
 
 __all__ = ["cell_kernels"]
-
-
-@nb.njit(inline="always", cache=True)
-def _sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-@nb.njit(inline="always", cache=True)
-def _preact(gx, gh, bx, bh, n, col):
-    return gx[n, col] + bx[col] + gh[n, col] + bh[col]
 
 
 @nb.njit(inline="always", cache=True)
@@ -113,44 +103,44 @@ def _dh(dy, dh_rec, dh_carry_in, n, j):
     return dh
 
 
-@nb.njit(inline="always", cache=True)
-def _clip(c, lo, hi, flags):
-    if flags & CLIP:
-        if c < lo:
-            c = lo
-        elif c > hi:
-            c = hi
-        elif flags & CLIP_NAN and c != c:
-            c = lo
-    return c
+def _make_forward_step(unit, gates, saved_width):
+    """The per-step forward kernel of a cell whose pointwise math is `unit` (units.py).
+    `unit`, `gates` and `saved_width` are frozen into the compiled code (Numba reads
+    closure cells as constants, and its cache keys on them)."""
+    last = gates - 1
 
-
-@nb.njit(inline="always", cache=True)
-def _unclipped(c, lo, hi, flags):
-    """1 where the clip let c through (its gradient flows), else 0 (also for NaN)."""
-    if flags & CLIP:
-        return 1.0 if (lo <= c <= hi) else 0.0
-    return 1.0
-
-
-def _make_rnn_cell(relu: bool):
-    # `relu` is frozen into the compiled code (Numba reads closure cells as constants,
-    # and its cache keys on them), so the two plain RNN cells share one source.
     def forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
                      lengths, t, clip_lo, clip_hi, clip_flags):
-        N, H = gx.shape[0], gx.shape[1]
+        N, H = gx.shape[0], gx.shape[1] // gates
         for k in prange(N * H):
             n, j = k // H, k % H
             if not _active(lengths, n, t):
                 _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
                 continue
-            a = _preact(gx, gh, bx, bh, n, j)
-            h = max(a, 0.0) if relu else math.tanh(a)
+            # Gates past the cell's count repeat its last one; the unit ignores them.
+            c0, c1, c2, c3 = j, min(1, last) * H + j, min(2, last) * H + j, last * H + j
+            h, c, s0, s1, s2, s3 = unit(
+                gx[n, c0] + bx[c0], gx[n, c1] + bx[c1], gx[n, c2] + bx[c2], gx[n, c3] + bx[c3],
+                gh[n, c0] + bh[c0], gh[n, c1] + bh[c1], gh[n, c2] + bh[c2], gh[n, c3] + bh[c3],
+                h_prev[n, j] if _given(h_prev) else zero_like(h_prev),
+                c_prev[n, j] if _given(c_prev) else zero_like(c_prev),
+                clip_lo, clip_hi, clip_flags)
             h_next[n, j] = h
             y[n, j] = h
+            if _given(c_next):
+                c_next[n, j] = c
             if _given(saved):
-                saved[n, j] = h
+                saved[n, j] = s0
+                if saved_width > 1:
+                    saved[n, H + j] = s1
+                    saved[n, 2 * H + j] = s2
+                    saved[n, 3 * H + j] = s3
 
+    return forward_step
+
+
+def _make_rnn_backward(relu: bool):
+    # `relu` is frozen into the compiled code, so the two plain RNN cells share one source.
     def backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
                       dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
         N, H = dgx.shape[0], dgx.shape[1]
@@ -169,31 +159,7 @@ def _make_rnn_cell(relu: bool):
             if _given(dh_carry_out):
                 dh_carry_out[n, j] = 0.0
 
-    return forward_step, backward_step
-
-
-def lstm_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
-                      lengths, t, clip_lo, clip_hi, clip_flags):
-    N, H = gx.shape[0], gx.shape[1] // 4
-    for k in prange(N * H):
-        n, j = k // H, k % H
-        if not _active(lengths, n, t):
-            _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
-            continue
-        i = _sigmoid(_preact(gx, gh, bx, bh, n, j))
-        f = _sigmoid(_preact(gx, gh, bx, bh, n, H + j))
-        g = math.tanh(_preact(gx, gh, bx, bh, n, 2 * H + j))
-        o = _sigmoid(_preact(gx, gh, bx, bh, n, 3 * H + j))
-        c = _clip(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
-        h = o * math.tanh(c)
-        c_next[n, j] = c
-        h_next[n, j] = h
-        y[n, j] = h
-        if _given(saved):
-            saved[n, j] = i
-            saved[n, H + j] = f
-            saved[n, 2 * H + j] = g
-            saved[n, 3 * H + j] = o
+    return backward_step
 
 
 def lstm_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
@@ -207,11 +173,11 @@ def lstm_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_pr
             continue
         i, f = saved[n, j], saved[n, H + j]
         g, o = saved[n, 2 * H + j], saved[n, 3 * H + j]
-        tc = math.tanh(c_t[n, j])
+        tc = tanh(c_t[n, j])
         dh = _dh(dy, dh_rec, dh_carry_in, n, j)
         dc = dc_carry_in[n, j] + dh * o * (1.0 - tc * tc)
         # The clip's gradient: 0 where the update left [lo, hi] (recomputed pre-clip value).
-        dc *= _unclipped(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
+        dc *= unclipped(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
         dgx[n, j] = dc * g * i * (1.0 - i)
         dgx[n, H + j] = dc * c_prev[n, j] * f * (1.0 - f)
         dgx[n, 2 * H + j] = dc * i * (1.0 - g * g)
@@ -219,28 +185,6 @@ def lstm_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_pr
         dc_carry_out[n, j] = dc * f
         if _given(dh_carry_out):
             dh_carry_out[n, j] = 0.0
-
-
-def gru_forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
-                     lengths, t, clip_lo, clip_hi, clip_flags):
-    N, H = gx.shape[0], gx.shape[1] // 3
-    for k in prange(N * H):
-        n, j = k // H, k % H
-        if not _active(lengths, n, t):
-            _carry_state(h_prev, c_prev, h_next, c_next, y, n, j)
-            continue
-        r = _sigmoid(_preact(gx, gh, bx, bh, n, j))
-        z = _sigmoid(_preact(gx, gh, bx, bh, n, H + j))
-        hn = gh[n, 2 * H + j] + bh[2 * H + j]  # "linear before reset": r scales W_hn h + b_hn
-        nn = math.tanh(gx[n, 2 * H + j] + bx[2 * H + j] + r * hn)
-        h = (1.0 - z) * nn + z * h_prev[n, j]
-        h_next[n, j] = h
-        y[n, j] = h
-        if _given(saved):
-            saved[n, j] = r
-            saved[n, H + j] = z
-            saved[n, 2 * H + j] = nn
-            saved[n, 3 * H + j] = hn
 
 
 def gru_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
@@ -267,13 +211,13 @@ def gru_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_pre
         dh_carry_out[n, j] = dh * z
 
 
-_SOURCES = {
-    "rnn_relu": _make_rnn_cell(relu=True),
-    "rnn_tanh": _make_rnn_cell(relu=False),
-    "lstm": (lstm_forward_step, lstm_backward_step),
-    "gru": (gru_forward_step, gru_backward_step),
+_BACKWARD = {
+    "rnn_relu": _make_rnn_backward(relu=True),
+    "rnn_tanh": _make_rnn_backward(relu=False),
+    "lstm": lstm_backward_step,
+    "gru": gru_backward_step,
 }
-assert set(_SOURCES) == set(CELLS)
+assert set(_BACKWARD) == set(CELLS) == set(FORWARD_UNITS)
 
 _compiled: dict = {}
 _compile_lock = threading.Lock()
@@ -311,7 +255,9 @@ def cell_kernels(mode: str, dtype):
         with _compile_lock:
             kernels = _compiled.get(key)
             if kernels is None:
-                forward, backward = _SOURCES[mode]
+                spec = CELLS[mode]
+                forward = _make_forward_step(FORWARD_UNITS[mode], spec.gates, spec.saved)
+                backward = _BACKWARD[mode]
                 options = dict(parallel=True, cache=True, nogil=True)
                 kernels = (
                     _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward)),

@@ -54,6 +54,10 @@ class HostCudaBackend:
     def __init__(self, lib):
         self.lib = lib
 
+    @staticmethod
+    def fused_layer(config, dtype):
+        return None   # as the GPU backend: every step through the per-step kernels
+
     def cell_kernels(self, mode, dtype):
         suffix = f"{mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
         k = kernels.CellKernels(mode, _ctypes_launcher(getattr(self.lib, f"forward_{suffix}")),

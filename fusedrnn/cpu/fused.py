@@ -1,0 +1,185 @@
+"""The whole time loop of one layer and direction in one compiled function (CPU).
+
+The generic driver (recurrence.py) runs two parallel regions per step: numpy's BLAS
+for h_{t-1} @ W_h^T (which re-packs W_h on every call), then the cell kernel, handing
+the cores back and forth between OpenBLAS's and Numba's threads. Here each step is one
+Numba parallel region over blocks of 16 hidden units: a block multiplies h_{t-1} by
+its own pre-packed panels of W_h (microkernel.py), all G gates of its units, into a
+small tile that stays in cache, and applies the cell's pointwise math (units.py) to it
+at once. The next step starts when every block is done (the region's end is the
+barrier). No per-step Python, no allocation in the loop.
+
+Used for every cell without a projection (the projected LSTM keeps the generic path).
+
+layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+              clip_lo, clip_hi, clip_flags)
+    xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
+    d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
+    wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
+    bx, bh  (G*H,)          in   biases
+    hs      (D, T+1, N, H)  in/out  state sequence (recurrence.py's row convention): the
+                                 initial state row must be set; every other row of
+                                 direction d is written
+    cs      (D, T+1, N, H)  in/out  the same for the LSTM cell state; (D, T+1, N, 0) else
+    y       (T, N, D*H)     out  layer output, this direction's columns d*H..(d+1)*H
+    saved   (D, T, N, S*H)  out  training record (cells.py's layout); (0, 0, 0, 0) for none
+    tiles   (B, N, 256)     scratch, one tile per block (layout: TILE_GROUPS below)
+    lengths (N,) int64      in   per-sample lengths, (0,) for all T: inactive steps carry
+                                 the state and write 0 to y
+    clip_*                       LSTM cell-state clipping, in the data's dtype (cells.py)
+    All arrays C-contiguous and of one dtype (lengths excepted); no two overlap.
+"""
+from __future__ import annotations
+
+import threading
+
+import numba as nb
+import numpy as np
+from numba import prange
+
+from ..config import CELLS
+from .microkernel import PANEL, panel_gemm_for
+from .threads import LAUNCH_LOCK
+from .units import FORWARD_UNITS
+
+__all__ = ["FusedLayer", "fused_layer", "pack_recurrent", "panels"]
+
+
+def panels(units):
+    """B: blocks of 16 hidden units covering `units`."""
+    return -(-units // PANEL)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _pack(w, gates, out):
+    H, K = w.shape[0] // gates, w.shape[1]
+    for b in prange(out.shape[0]):
+        for g in range(gates):
+            for k in range(K):
+                for u in range(PANEL):
+                    j = b * PANEL + u
+                    out[b, g, k, u] = w[g * H + j, k] if j < H else 0
+
+
+def pack_recurrent(w_h, gates, out):
+    """W_h (G*H, K) -> out (B, G, K, 16): panel [b, g] is gate g's units 16b..16b+15 as
+    columns of W_h^T, zero past H. `out` is scratch the op owns."""
+    with LAUNCH_LOCK:
+        _pack(w_h, gates, out)
+    return out
+
+
+# One tile row per sample, in 16-wide column groups (why: the cell math then reads and
+# writes a single array at fixed offsets, so LLVM vectorises it without the run-time
+# alias checks that many separate arrays would need, and gives up on):
+_R, _X = 0, 4            # groups 0..3: W_h h_{t-1} + b_h per gate;  4..7: W_x x_t + b_x
+_HP, _CP = 8, 9          # previous h, previous c
+_H, _C, _S = 10, 11, 12  # new h, new c, training record s0..s3 (groups 12..15)
+TILE_GROUPS = 16
+
+
+def _make_layer_forward(unit, gates, saved_width, dtype):
+    panel_gemm = panel_gemm_for(dtype)
+    itemsize = np.dtype(dtype).itemsize
+    last = gates - 1
+    row = TILE_GROUPS * PANEL
+
+    def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+                      clip_lo, clip_hi, clip_flags):
+        T, N, H = xproj.shape[0], xproj.shape[1], hs.shape[3]
+        x_col, y_col = d * gates * H, d * H
+        has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
+        all_active = lengths.shape[0] == 0
+        h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
+        for step in range(T):
+            t = step if d == 0 else T - 1 - step
+            prev = t if d == 0 else t + 1
+            nxt = t + 1 if d == 0 else t
+            h_prev_addr = h_rows + prev * N * H * itemsize
+            for b in prange(wpack.shape[0]):
+                tile = tiles[b]
+                for g in range(gates):
+                    panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
+                               tile.ctypes.data + (_R + g) * PANEL * itemsize, row, H)
+                j0 = b * PANEL
+                width = min(PANEL, H - j0)
+                for n in range(N):
+                    active = all_active or t < lengths[n]
+                    if active:
+                        for u in range(width):      # gather this unit's inputs
+                            j = j0 + u
+                            for g in range(gates):
+                                tile[n, (_R + g) * PANEL + u] += bh[g * H + j]
+                                tile[n, (_X + g) * PANEL + u] = xproj[t, n, x_col + g * H + j] + \
+                                    bx[g * H + j]
+                            tile[n, _HP * PANEL + u] = hs[d, prev, n, j]
+                            tile[n, _CP * PANEL + u] = cs[d, prev, n, j] if has_c else 0
+                        for u in range(PANEL):      # the cell, on the tile alone
+                            # Gates past the cell's count repeat its last; the unit ignores them.
+                            h, c, s0, s1, s2, s3 = unit(
+                                tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
+                                tile[n, (_X + min(2, last)) * PANEL + u],
+                                tile[n, (_X + last) * PANEL + u],
+                                tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
+                                tile[n, (_R + min(2, last)) * PANEL + u],
+                                tile[n, (_R + last) * PANEL + u],
+                                tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
+                                clip_lo, clip_hi, clip_flags)
+                            tile[n, _H * PANEL + u] = h
+                            tile[n, _C * PANEL + u] = c
+                            tile[n, _S * PANEL + u] = s0
+                            tile[n, (_S + 1) * PANEL + u] = s1
+                            tile[n, (_S + 2) * PANEL + u] = s2
+                            tile[n, (_S + 3) * PANEL + u] = s3
+                    for u in range(width):          # scatter (or carry, past the length)
+                        j = j0 + u
+                        h = tile[n, _H * PANEL + u] if active else hs[d, prev, n, j]
+                        hs[d, nxt, n, j] = h
+                        y[t, n, y_col + j] = h if active else 0
+                        if has_c:
+                            cs[d, nxt, n, j] = tile[n, _C * PANEL + u] if active else \
+                                cs[d, prev, n, j]
+                        if record and active:
+                            for k in range(saved_width):
+                                saved[d, t, n, k * H + j] = tile[n, (_S + k) * PANEL + u]
+
+    return nb.njit(parallel=True, cache=True, nogil=True)(layer_forward)
+
+
+class FusedLayer:
+    """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
+
+    panel = PANEL
+    tile_width = TILE_GROUPS * PANEL
+    blocks = staticmethod(panels)
+
+    def __init__(self, mode, dtype):
+        spec = CELLS[mode]
+        self.gates, self.dtype = spec.gates, np.dtype(dtype)
+        self._forward = _make_layer_forward(FORWARD_UNITS[mode], spec.gates, spec.saved,
+                                            self.dtype)
+
+    def pack(self, w_h, out):
+        return pack_recurrent(w_h, self.gates, out)
+
+    def forward(self, xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+                clip_lo, clip_hi, clip_flags):
+        scalar = self.dtype.type
+        with LAUNCH_LOCK:
+            self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+                          scalar(clip_lo), scalar(clip_hi), clip_flags)
+
+
+_layers: dict = {}
+_lock = threading.Lock()
+
+
+def fused_layer(mode, dtype):
+    """The FusedLayer for (mode, dtype), built once per process (compiled code is cached
+    on disk by Numba)."""
+    key = (mode, np.dtype(dtype).str)
+    with _lock:
+        layer = _layers.get(key)
+        if layer is None:
+            layer = _layers[key] = FusedLayer(mode, dtype)
+    return layer

@@ -1,0 +1,150 @@
+"""exp, sigmoid and tanh that LLVM can vectorise, for the CPU cell kernels.
+
+Numba lowers math.exp / math.tanh to scalar libm calls (it has no SVML on this
+machine's builds), which cost ~100 ns per LSTM element per step and stop the loop
+vectoriser. These are plain arithmetic plus one bit-cast, so a loop over hidden
+units compiles to AVX2 code. Each is written for the argument's own precision:
+
+    exp      Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, then a Taylor
+             polynomial in r (degree 7 for float32, 12 for float64: truncation below
+             half an ulp) scaled by 2**n built from its exponent bits.
+    sigmoid  1 / (1 + exp(-x)): no cancellation, relative error ~2 ulp.
+    tanh     sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): absolute error ~2 ulp of 1
+             (relative error grows like ulp/|x| as x -> 0; the cells' tolerances are
+             absolute in this sense, like every float32 tanh built from exp).
+
+Below exp's normal range (x < -87.3 in float32, -708 in float64) it returns 0, above
+it (88.3, 709) +inf, so sigmoid and tanh saturate exactly; NaN propagates.
+"""
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+__all__ = ["fast_exp", "sigmoid", "tanh", "one_like", "zero_like"]
+
+_F32 = {
+    "log2e": np.float32(1.4426950408889634), "ln2_hi": np.float32(0.693359375),
+    "ln2_lo": np.float32(-2.12194440e-4), "lo": np.float32(-87.3), "hi": np.float32(88.3),
+    "one": np.float32(1.0), "two": np.float32(2.0), "half": np.float32(0.5),
+    "zero": np.float32(0.0), "inf": np.float32(np.inf),
+}
+_F64 = {
+    "log2e": 1.4426950408889634, "ln2_hi": 0.6931471803691238,
+    "ln2_lo": 1.9082149292705877e-10, "lo": -708.0, "hi": 709.0,
+    "one": 1.0, "two": 2.0, "half": 0.5, "zero": 0.0, "inf": math.inf,
+}
+# 1/k! as each precision's constants, highest power first (Horner order).
+_TAYLOR32 = tuple(np.float32(1.0 / math.factorial(k)) for k in range(7, -1, -1))
+_TAYLOR64 = tuple(1.0 / math.factorial(k) for k in range(12, -1, -1))
+
+
+@intrinsic
+def _pow2(typingctx, n, like):
+    """2.0**n for an integer-valued float n in the normal range, as like's type:
+    the biased exponent shifted into place and bit-cast."""
+    float_type = like
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if float_type == types.float32:
+            bits, mantissa, bias, out = ir.IntType(32), 23, 127, ir.FloatType()
+        else:
+            bits, mantissa, bias, out = ir.IntType(64), 52, 1023, ir.DoubleType()
+        as_int = builder.fptosi(value, bits)
+        biased = builder.add(as_int, ir.Constant(bits, bias))
+        return builder.bitcast(builder.shl(biased, ir.Constant(bits, mantissa)), out)
+
+    return float_type(n, like), codegen
+
+
+def _make_exp(c, taylor):
+    log2e, ln2_hi, ln2_lo, lo, hi, half, zero, inf = (
+        c[k] for k in ("log2e", "ln2_hi", "ln2_lo", "lo", "hi", "half", "zero", "inf"))
+
+    def exp_impl(x):
+        # NaN fails every comparison and flows through the arithmetic.
+        xc = lo if x < lo else (hi if x > hi else x)
+        n = np.floor(xc * log2e + half)
+        r = (xc - n * ln2_hi) - n * ln2_lo
+        p = taylor[0]
+        for k in nb.literal_unroll(taylor[1:]):
+            p = p * r + k
+        y = p * _pow2(n, xc)
+        return zero if x < lo else (inf if x > hi else y)
+    return exp_impl
+
+
+def fast_exp(x):
+    """exp(x) (Python fallback; compiled code uses the overload below)."""
+    return math.exp(x)
+
+
+@overload(fast_exp)
+def _fast_exp_overload(x):
+    if x == types.float32:
+        return _make_exp(_F32, _TAYLOR32)
+    if x == types.float64:
+        return _make_exp(_F64, _TAYLOR64)
+    return None
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@overload(sigmoid)
+def _sigmoid_overload(x):
+    if x not in (types.float32, types.float64):
+        return None
+    one = _F32["one"] if x == types.float32 else 1.0
+
+    def impl(x):
+        return one / (one + fast_exp(-x))
+    return impl
+
+
+def tanh(x):
+    return math.tanh(x)
+
+
+@overload(tanh)
+def _tanh_overload(x):
+    if x not in (types.float32, types.float64):
+        return None
+    c = _F32 if x == types.float32 else _F64
+    one, two, zero = c["one"], c["two"], c["zero"]
+
+    def impl(x):
+        e = fast_exp(-two * abs(x))
+        t = (one - e) / (one + e)
+        return -t if x < zero else t
+    return impl
+
+
+def one_like(x):
+    """1 in x's precision (a bare literal 1 would promote float32 arithmetic to float64)."""
+    return 1.0
+
+
+@overload(one_like)
+def _one_like_overload(x):
+    one = _F32["one"] if x == types.float32 else 1.0
+    return lambda x: one
+
+
+def zero_like(x):
+    """0 in x's precision (x a float, or an array: its dtype's)."""
+    return 0.0
+
+
+@overload(zero_like)
+def _zero_like_overload(x):
+    kind = x.dtype if isinstance(x, types.Array) else x
+    zero = _F32["zero"] if kind == types.float32 else 0.0
+    return lambda x: zero
