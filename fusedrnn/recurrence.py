@@ -276,6 +276,8 @@ class RecurrentOp:
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
+                "wpack_rows": (self.fused.blocks(R), GH, self.fused.panel) if self.fused
+                else (0, 0, 0),
             })
             self.nbytes += nbytes
         return self._backward_scratch
@@ -333,7 +335,36 @@ class RecurrentOp:
             b.dh_carry[...] = 0
         if lstm:
             b.dc_carry[...] = dcy[idx] if dcy is not None else 0
-        inactive = masks[1]
+        if self.fused is not None:
+            self._fused_direction_backward(d, w_h, dy, hs, cs, saved, dgx3, dgh3, b, opts,
+                                           zero_carry=not use_h_carry)
+            use_h_carry = True   # the fused loop always returns a direct carry
+        else:
+            self._generic_direction_backward(d, w_h, w_r, dy, hs, cs, saved, dgx3, dgh3, b,
+                                             opts, masks, h_carry, c_carry)
+        g_h0[idx] = b.dh_rec
+        if use_h_carry:
+            g_h0[idx] += b.dh_carry
+        if lstm:
+            g_c0[idx] = b.dc_carry
+        # Weight gradients: one GEMM over all T*N rows per direction.
+        xp.matmul(b.dgx[:, cols].T, x2d, out=lay.view(g_params, layer, d, "W_x"))
+        xp.matmul(dgh[:, cols].T, hs[d, prev:prev + T].reshape(T * N, R),
+                  out=lay.view(g_params, layer, d, "W_h"))
+        if proj:
+            xp.matmul(b.dr.reshape(T * N, R).T, reserve.hraw[layer, d].reshape(T * N, -1),
+                      out=lay.view(g_params, layer, d, "W_r"))
+        xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
+        xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
+
+    def _generic_direction_backward(self, d, w_h, w_r, dy, hs, cs, saved, dgx3, dgh3, b, opts,
+                                    masks, h_carry, c_carry):
+        """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (numpy's GEMM)."""
+        xp, cfg, R = self.xp, self.config, self.config.recurrent_size
+        cell, empty, proj, lstm = cfg.cell, self.scratch.empty, bool(cfg.projection_size), \
+            cfg.cell.has_cell_state
+        prev, nxt, GH = PREV[d], NEXT[d], cfg.gate_rows
+        cols, inactive = slice(d * GH, (d + 1) * GH), masks[1]
         for t in reversed(self._steps(d)):
             c_prev = cs[d, t + prev] if lstm else empty
             c_t = cs[d, t + nxt] if lstm else empty
@@ -352,17 +383,20 @@ class RecurrentOp:
                                    dgh3[t, :, cols] if cell.split_gate_grads else empty,
                                    h_carry, c_carry, *self._step_tail(opts, t))
                 xp.matmul(dgh3[t, :, cols], w_h, out=b.dh_rec)
-        g_h0[idx] = b.dh_rec
-        if use_h_carry:
-            g_h0[idx] += b.dh_carry
-        if lstm:
-            g_c0[idx] = b.dc_carry
-        # Weight gradients: one GEMM over all T*N rows per direction.
-        xp.matmul(b.dgx[:, cols].T, x2d, out=lay.view(g_params, layer, d, "W_x"))
-        xp.matmul(dgh[:, cols].T, hs[d, prev:prev + T].reshape(T * N, R),
-                  out=lay.view(g_params, layer, d, "W_h"))
-        if proj:
-            xp.matmul(b.dr.reshape(T * N, R).T, reserve.hraw[layer, d].reshape(T * N, -1),
-                      out=lay.view(g_params, layer, d, "W_r"))
-        xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
-        xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
+
+    def _fused_direction_backward(self, d, w_h, dy, hs, cs, saved, dgx3, dgh3, b, opts,
+                                  zero_carry):
+        """The backend's whole-direction backward loop (cpu/fused.py), then the last
+        dh_rec = dg @ W_h of the direction's first step."""
+        xp, T, N, GH = self.xp, self.T, self.N, self.config.gate_rows
+        if zero_carry:
+            b.dh_carry[...] = 0
+        self.fused.pack_rows(w_h, b.wpack_rows)
+        split = self.config.cell.split_gate_grads
+        self.fused.backward(xp.ascontiguousarray(dy), d, b.wpack_rows, hs, cs, saved, dgx3,
+                            dgh3 if split else b.dgh.reshape(T, N, 0), b.dh_rec, b.dh_carry,
+                            b.dc_carry, self.scratch.tiles,
+                            self.no_lengths if opts.lengths is None else opts.lengths,
+                            opts.clip_lo, opts.clip_hi, opts.clip_flags)
+        first = 0 if d == 0 else T - 1
+        xp.matmul(dgh3[first, :, d * GH:(d + 1) * GH], w_h, out=b.dh_rec)

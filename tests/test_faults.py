@@ -39,7 +39,8 @@ def fault(monkeypatch):
         if layer is None:
             return None
         return SimpleNamespace(panel=layer.panel, tile_width=layer.tile_width,
-                               blocks=layer.blocks, pack=layer.pack, forward=wrap(layer.forward))
+                               blocks=layer.blocks, pack=layer.pack, pack_rows=layer.pack_rows,
+                               forward=wrap(layer.forward), backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer
     monkeypatch.setattr(CpuBackend, "cell_kernels",
@@ -61,7 +62,7 @@ def test_fault_in_forward_leaves_the_cache_usable(fault, mode, at):
     assert fusedrnn.cache_info().entries == 1
 
 
-@pytest.mark.parametrize("at", [0, 5, 15])
+@pytest.mark.parametrize("at", [0, 2, 3])   # of L*D = 4 backward launches
 @pytest.mark.parametrize("mode", MODES)
 def test_fault_in_backward_can_be_retried(fault, mode, at):
     case, kw, heads = make_case(mode, L=2, D=2, seed=at)

@@ -52,7 +52,7 @@ def run(args):
         if case.group == "cold":
             times = runner.cold_start(case, device, dtype, repeats)
         else:
-            times = runner.run_case(case, device, dtype, peers, repeats)
+            times = runner.run_case(case, device, np.dtype(case.dtype or dtype), peers, repeats)
         results.append((case, {k: runner.summary(v) for k, v in times.items()}))
     print(file=sys.stderr)
     print(report.table(results, ceiling, peers))

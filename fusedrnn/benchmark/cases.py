@@ -7,6 +7,8 @@ Groups (full / --quick sizes):
   batch       LSTM inference, N = 1, 2, 4, ..., 1024 at T=50 I=H=512 (quick: N=1,16,128 at
               T=20 I=H=128): the throughput-vs-batch plot
   hidden      LSTM inference, H = 256, 512, 1024, 2048 at T=50 N=64 (quick: H=128,256 at T=20)
+  float64     the design-doc single-layer case of each mode in float64, inference and
+              training (quick: T=20, I=H=128), whatever --dtype says
   seq2seq     the decoder step T=1 N=64 I=H=512 (GRU and LSTM, microseconds per call) and the
               encoder T=50 N=64 I=256 H=512 2-layer GRU (quick: T=20)
   cold        the first call in a fresh process (imports, kernel load, allocation), seconds
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from ..config import CELLS
 
-GROUPS = ("design-doc", "batch", "hidden", "seq2seq", "cold")
+GROUPS = ("design-doc", "float64", "batch", "hidden", "seq2seq", "cold")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Case:
     bidirectional: bool = False
     train: bool = False
     per_call: bool = False   # report microseconds per call instead of samples per second
+    dtype: str | None = None  # None: the run's --dtype
 
     @property
     def D(self):
@@ -42,7 +45,8 @@ class Case:
         shape = f"T={self.T} N={self.N} I={self.I} H={self.H}"
         layers = f" L={self.L}{' bi' if self.bidirectional else ''}" if (
             self.L > 1 or self.bidirectional) else ""
-        return f"{self.mode} {shape}{layers} {'train' if self.train else 'infer'}"
+        precision = f" {self.dtype}" if self.dtype else ""
+        return f"{self.mode} {shape}{layers}{precision} {'train' if self.train else 'infer'}"
 
     @property
     def flops(self):
@@ -75,6 +79,12 @@ def _design_doc(quick):
     return out
 
 
+def _float64(quick):
+    T, I, H = (20, 128, 128) if quick else (300, 800, 800)
+    return [Case("float64", mode, T, 20, I, H, train=train, dtype="float64")
+            for mode in CELLS for train in (False, True)]
+
+
 def _batch(quick):
     sizes, T, H = ((1, 16, 128), 20, 128) if quick else ([2 ** k for k in range(11)], 50, 512)
     return [Case("batch", "lstm", T, n, H, H) for n in sizes]
@@ -94,5 +104,5 @@ def _cold(quick):
     return [Case("cold", "lstm", 50, 20, 256, 256, per_call=True)]
 
 
-_GROUP = {"design-doc": _design_doc, "batch": _batch, "hidden": _hidden,
+_GROUP = {"design-doc": _design_doc, "float64": _float64, "batch": _batch, "hidden": _hidden,
           "seq2seq": _seq2seq, "cold": _cold}

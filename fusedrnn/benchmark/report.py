@@ -32,7 +32,9 @@ def table(results, ceiling, peers):
         row += [_cell(case, times[p]) if p in times else "n/a" for p in peers]
         row += [f"{times[p]['median'] / ours:.3g}" if p in times else "n/a" for p in others]
         gflops = case.flops / ours / 1e9
-        row += [f"{gflops:.3g}", f"{100 * gflops / ceiling:.2g}%"]
+        # The ceiling is the run's --dtype sgemm/dgemm: not comparable for a case of its own dtype.
+        share = "n/a" if case.dtype else f"{100 * gflops / ceiling:.2g}%"
+        row += [f"{gflops:.3g}", share]
         lines.append("| " + " | ".join(row) + " |")
     cold = [(c, t) for c, t in results if c.group == "cold"]
     for case, times in cold:
@@ -47,7 +49,7 @@ def table(results, ceiling, peers):
 def write_json(path, meta, results, ceiling):
     doc = dict(meta, gemm_ceiling_gflops=ceiling, cases=[
         dict(group=c.group, name=c.name, mode=c.mode, T=c.T, N=c.N, I=c.I, H=c.H, L=c.L,
-             bidirectional=c.bidirectional, train=c.train, flops=c.flops,
+             bidirectional=c.bidirectional, train=c.train, flops=c.flops, dtype=c.dtype,
              unit="us/call" if c.per_call else "samples/s", seconds=t)
         for c, t in results])
     with open(path, "w") as f:

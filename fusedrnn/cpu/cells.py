@@ -51,11 +51,12 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .mathfn import tanh, zero_like
+from .mathfn import zero_like
 from .threads import LAUNCH_LOCK
-from .units import FORWARD_UNITS, unclipped
+from .units import BACKWARD_UNITS, FORWARD_UNITS, MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["cell_kernels"]
+assert set(CELLS) == set(FORWARD_UNITS) == set(BACKWARD_UNITS)
 
 
 @nb.njit(inline="always", cache=True)
@@ -103,9 +104,9 @@ def _dh(dy, dh_rec, dh_carry_in, n, j):
     return dh
 
 
-def _make_forward_step(unit, gates, saved_width):
-    """The per-step forward kernel of a cell whose pointwise math is `unit` (units.py).
-    `unit`, `gates` and `saved_width` are frozen into the compiled code (Numba reads
+def _make_forward_step(mode, gates, saved_width):
+    """The per-step forward kernel of the cell MODE_INDEX `mode` (units.py). `mode`,
+    `gates` and `saved_width` are frozen into the compiled code (Numba reads
     closure cells as constants, and its cache keys on them)."""
     last = gates - 1
 
@@ -119,7 +120,8 @@ def _make_forward_step(unit, gates, saved_width):
                 continue
             # Gates past the cell's count repeat its last one; the unit ignores them.
             c0, c1, c2, c3 = j, min(1, last) * H + j, min(2, last) * H + j, last * H + j
-            h, c, s0, s1, s2, s3 = unit(
+            h, c, s0, s1, s2, s3 = forward_unit(
+                mode,
                 gx[n, c0] + bx[c0], gx[n, c1] + bx[c1], gx[n, c2] + bx[c2], gx[n, c3] + bx[c3],
                 gh[n, c0] + bh[c0], gh[n, c1] + bh[c1], gh[n, c2] + bh[c2], gh[n, c3] + bh[c3],
                 h_prev[n, j] if _given(h_prev) else zero_like(h_prev),
@@ -139,85 +141,48 @@ def _make_forward_step(unit, gates, saved_width):
     return forward_step
 
 
-def _make_rnn_backward(relu: bool):
-    # `relu` is frozen into the compiled code, so the two plain RNN cells share one source.
+def _make_backward_step(mode, gates, saved_width, split_gate_grads):
+    """The per-step backward kernel of the cell MODE_INDEX `mode` (units.py)."""
+    last = gates - 1
+
     def backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
                       dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
-        N, H = dgx.shape[0], dgx.shape[1]
+        N, H = dgx.shape[0], dgx.shape[1] // gates
         for k in prange(N * H):
             n, j = k // H, k % H
             if not _active(lengths, n, t):
-                _carry_grads(1, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
-                             dc_carry_out, n, j)
+                _carry_grads(gates, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh,
+                             dh_carry_out, dc_carry_out, n, j)
                 continue
-            h = saved[n, j]
-            dh = _dh(dy, dh_rec, dh_carry_in, n, j)
-            if relu:
-                dgx[n, j] = dh if h > 0.0 else 0.0
-            else:
-                dgx[n, j] = dh * (1.0 - h * h)
+            zero = zero_like(dgx)
+            s1 = saved[n, H + j] if saved_width > 1 else zero
+            s2 = saved[n, 2 * H + j] if saved_width > 2 else zero
+            s3 = saved[n, 3 * H + j] if saved_width > 3 else zero
+            dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dh_carry, dc_carry = backward_unit(
+                mode,
+                _dh(dy, dh_rec, dh_carry_in, n, j),
+                dc_carry_in[n, j] if _given(dc_carry_in) else zero, saved[n, j], s1, s2, s3,
+                h_prev[n, j] if _given(h_prev) else zero,
+                c_prev[n, j] if _given(c_prev) else zero,
+                c_t[n, j] if _given(c_t) else zero, clip_lo, clip_hi, clip_flags)
+            dgx[n, j] = dx0
+            if gates > 1:
+                dgx[n, H + j] = dx1
+            if gates > 2:
+                dgx[n, 2 * H + j] = dx2
+            if gates > 3:
+                dgx[n, 3 * H + j] = dx3
+            if split_gate_grads:
+                dgh[n, j] = dr0
+                dgh[n, H + j] = dr1
+                dgh[n, min(2, last) * H + j] = dr2
             if _given(dh_carry_out):
-                dh_carry_out[n, j] = 0.0
+                dh_carry_out[n, j] = dh_carry
+            if _given(dc_carry_out):
+                dc_carry_out[n, j] = dc_carry
 
     return backward_step
 
-
-def lstm_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
-                       dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
-    N, H = dgx.shape[0], dgx.shape[1] // 4
-    for k in prange(N * H):
-        n, j = k // H, k % H
-        if not _active(lengths, n, t):
-            _carry_grads(4, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
-                         dc_carry_out, n, j)
-            continue
-        i, f = saved[n, j], saved[n, H + j]
-        g, o = saved[n, 2 * H + j], saved[n, 3 * H + j]
-        tc = tanh(c_t[n, j])
-        dh = _dh(dy, dh_rec, dh_carry_in, n, j)
-        dc = dc_carry_in[n, j] + dh * o * (1.0 - tc * tc)
-        # The clip's gradient: 0 where the update left [lo, hi] (recomputed pre-clip value).
-        dc *= unclipped(f * c_prev[n, j] + i * g, clip_lo, clip_hi, clip_flags)
-        dgx[n, j] = dc * g * i * (1.0 - i)
-        dgx[n, H + j] = dc * c_prev[n, j] * f * (1.0 - f)
-        dgx[n, 2 * H + j] = dc * i * (1.0 - g * g)
-        dgx[n, 3 * H + j] = dh * tc * o * (1.0 - o)
-        dc_carry_out[n, j] = dc * f
-        if _given(dh_carry_out):
-            dh_carry_out[n, j] = 0.0
-
-
-def gru_backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx,
-                      dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags):
-    N, H = dgx.shape[0], dgx.shape[1] // 3
-    for k in prange(N * H):
-        n, j = k // H, k % H
-        if not _active(lengths, n, t):
-            _carry_grads(3, H, dh_rec, dh_carry_in, dc_carry_in, dgx, dgh, dh_carry_out,
-                         dc_carry_out, n, j)
-            continue
-        r, z = saved[n, j], saved[n, H + j]
-        nn, hn = saved[n, 2 * H + j], saved[n, 3 * H + j]
-        dh = _dh(dy, dh_rec, dh_carry_in, n, j)
-        dn = dh * (1.0 - z) * (1.0 - nn * nn)
-        dr = dn * hn * r * (1.0 - r)
-        dz = dh * (h_prev[n, j] - nn) * z * (1.0 - z)
-        dgx[n, j] = dr
-        dgx[n, H + j] = dz
-        dgx[n, 2 * H + j] = dn
-        dgh[n, j] = dr
-        dgh[n, H + j] = dz
-        dgh[n, 2 * H + j] = dn * r
-        dh_carry_out[n, j] = dh * z
-
-
-_BACKWARD = {
-    "rnn_relu": _make_rnn_backward(relu=True),
-    "rnn_tanh": _make_rnn_backward(relu=False),
-    "lstm": lstm_backward_step,
-    "gru": gru_backward_step,
-}
-assert set(_BACKWARD) == set(CELLS) == set(FORWARD_UNITS)
 
 _compiled: dict = {}
 _compile_lock = threading.Lock()
@@ -256,8 +221,9 @@ def cell_kernels(mode: str, dtype):
             kernels = _compiled.get(key)
             if kernels is None:
                 spec = CELLS[mode]
-                forward = _make_forward_step(FORWARD_UNITS[mode], spec.gates, spec.saved)
-                backward = _BACKWARD[mode]
+                forward = _make_forward_step(MODE_INDEX[mode], spec.gates, spec.saved)
+                backward = _make_backward_step(MODE_INDEX[mode], spec.gates, spec.saved,
+                                               spec.split_gate_grads)
                 options = dict(parallel=True, cache=True, nogil=True)
                 kernels = (
                     _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward)),

@@ -38,11 +38,12 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .microkernel import PANEL, panel_gemm_for
+from .mathfn import zero_like
+from .microkernel import PANEL, panel_gemm
 from .threads import LAUNCH_LOCK
-from .units import FORWARD_UNITS
+from .units import MODE_INDEX, backward_unit, forward_unit
 
-__all__ = ["FusedLayer", "fused_layer", "pack_recurrent", "panels"]
+__all__ = ["FusedLayer", "fused_layer", "pack_recurrent", "pack_recurrent_rows", "panels"]
 
 
 def panels(units):
@@ -78,8 +79,25 @@ _H, _C, _S = 10, 11, 12  # new h, new c, training record s0..s3 (groups 12..15)
 TILE_GROUPS = 16
 
 
-def _make_layer_forward(unit, gates, saved_width, dtype):
-    panel_gemm = panel_gemm_for(dtype)
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _pack_rows(w, out):
+    GH, R = w.shape
+    for b in prange(out.shape[0]):
+        for k in range(GH):
+            for u in range(PANEL):
+                j = b * PANEL + u
+                out[b, k, u] = w[k, j] if j < R else 0
+
+
+def pack_recurrent_rows(w_h, out):
+    """W_h (G*H, R) -> out (B, G*H, 16): panel b is columns 16b..16b+15 of W_h (the
+    backward product dg @ W_h), zero past R."""
+    with LAUNCH_LOCK:
+        _pack_rows(w_h, out)
+    return out
+
+
+def _make_layer_forward(mode, gates, saved_width, dtype):
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
@@ -100,7 +118,8 @@ def _make_layer_forward(unit, gates, saved_width, dtype):
                 tile = tiles[b]
                 for g in range(gates):
                     panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
-                               tile.ctypes.data + (_R + g) * PANEL * itemsize, row, H)
+                               tile.ctypes.data + (_R + g) * PANEL * itemsize, row, H,
+                               zero_like(hs))
                 j0 = b * PANEL
                 width = min(PANEL, H - j0)
                 for n in range(N):
@@ -116,7 +135,8 @@ def _make_layer_forward(unit, gates, saved_width, dtype):
                             tile[n, _CP * PANEL + u] = cs[d, prev, n, j] if has_c else 0
                         for u in range(PANEL):      # the cell, on the tile alone
                             # Gates past the cell's count repeat its last; the unit ignores them.
-                            h, c, s0, s1, s2, s3 = unit(
+                            h, c, s0, s1, s2, s3 = forward_unit(
+                                mode,
                                 tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
                                 tile[n, (_X + min(2, last)) * PANEL + u],
                                 tile[n, (_X + last) * PANEL + u],
@@ -146,6 +166,91 @@ def _make_layer_forward(unit, gates, saved_width, dtype):
     return nb.njit(parallel=True, cache=True, nogil=True)(layer_forward)
 
 
+def _make_layer_backward(mode, gates, saved_width, dtype):
+    """The backward twin of layer_forward (arguments: FusedLayer.backward)."""
+    itemsize = np.dtype(dtype).itemsize
+    row = TILE_GROUPS * PANEL
+    # Backward tile groups: 0 dh_rec; 1 dh; 2 dc in; 3..6 record; 7 h_prev; 8 c_prev; 9 c_t;
+    # 10..13 dx per gate; 14 dh carry out; 15 dc carry out; dr per gate reuses 3..6.
+    _DHR, _DH, _DC, _SV, _HPB, _CPB, _CT, _DX, _DHC, _DCC = 0, 1, 2, 3, 7, 8, 9, 10, 14, 15
+
+    def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
+                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags):
+        T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
+        GH = gates * H
+        col, y_col = d * GH, d * H
+        has_c, split = cs.shape[3] != 0, dgh.shape[2] != 0
+        all_active = lengths.shape[0] == 0
+        lda = dgh.shape[2] if split else dgx.shape[2]
+        dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
+        for step in range(T):
+            t = T - 1 - step if d == 0 else step           # forward order reversed
+            later = t + 1 if d == 0 else t - 1             # the step processed just before
+            prev = t if d == 0 else t + 1
+            nxt = t + 1 if d == 0 else t
+            for b in prange(wpack_rows.shape[0]):
+                tile = tiles[b]
+                j0 = b * PANEL
+                width = min(PANEL, H - j0)
+                if step > 0:   # dh_rec = dg_later @ W_h for this block's units
+                    panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
+                               wpack_rows[b].ctypes.data, tile.ctypes.data, row, GH,
+                               zero_like(dgx))
+                else:
+                    for n in range(N):
+                        for u in range(width):
+                            tile[n, u] = dh_rec0[n, j0 + u]
+                for n in range(N):
+                    if all_active or t < lengths[n]:
+                        for u in range(width):
+                            j = j0 + u
+                            tile[n, _DH * PANEL + u] = tile[n, u] + dy[t, n, y_col + j] + \
+                                dh_carry[n, j]
+                            tile[n, _DC * PANEL + u] = dc_carry[n, j] if has_c else 0
+                            for k in range(saved_width):
+                                tile[n, (_SV + k) * PANEL + u] = saved[d, t, n, k * H + j]
+                            tile[n, _HPB * PANEL + u] = hs[d, prev, n, j]
+                            tile[n, _CPB * PANEL + u] = cs[d, prev, n, j] if has_c else 0
+                            tile[n, _CT * PANEL + u] = cs[d, nxt, n, j] if has_c else 0
+                        for u in range(PANEL):      # the cell, on the tile alone
+                            dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
+                                mode,
+                                tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
+                                tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
+                                tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
+                                tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
+                                tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
+                            tile[n, _DX * PANEL + u] = dx0
+                            tile[n, (_DX + 1) * PANEL + u] = dx1
+                            tile[n, (_DX + 2) * PANEL + u] = dx2
+                            tile[n, (_DX + 3) * PANEL + u] = dx3
+                            tile[n, _SV * PANEL + u] = dr0
+                            tile[n, (_SV + 1) * PANEL + u] = dr1
+                            tile[n, (_SV + 2) * PANEL + u] = dr2
+                            tile[n, (_SV + 3) * PANEL + u] = dr3
+                            tile[n, _DHC * PANEL + u] = dhc
+                            tile[n, _DCC * PANEL + u] = dcc
+                        for u in range(width):      # scatter
+                            j = j0 + u
+                            for g in range(gates):
+                                dgx[t, n, col + g * H + j] = tile[n, (_DX + g) * PANEL + u]
+                                if split:
+                                    dgh[t, n, col + g * H + j] = tile[n, (_SV + g) * PANEL + u]
+                            dh_carry[n, j] = tile[n, _DHC * PANEL + u]
+                            if has_c:
+                                dc_carry[n, j] = tile[n, _DCC * PANEL + u]
+                    else:   # past this sample's length: no gate gradient, dh and dc pass on
+                        for u in range(width):
+                            j = j0 + u
+                            for g in range(gates):
+                                dgx[t, n, col + g * H + j] = 0
+                                if split:
+                                    dgh[t, n, col + g * H + j] = 0
+                            dh_carry[n, j] += tile[n, u]
+
+    return nb.njit(parallel=True, cache=True, nogil=True)(layer_backward)
+
+
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
 
@@ -156,8 +261,10 @@ class FusedLayer:
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
-        self._forward = _make_layer_forward(FORWARD_UNITS[mode], spec.gates, spec.saved,
+        self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
                                             self.dtype)
+        self._backward = _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved,
+                                              self.dtype)
 
     def pack(self, w_h, out):
         return pack_recurrent(w_h, self.gates, out)
@@ -168,6 +275,33 @@ class FusedLayer:
         with LAUNCH_LOCK:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags)
+
+
+    def pack_rows(self, w_h, out):
+        return pack_recurrent_rows(w_h, out)
+
+    def backward(self, dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
+                 dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags):
+        """One direction's backward recurrence (the layer's weight gradients are GEMMs
+        the caller runs over all steps afterwards).
+            dy          (T, N, D*H)     in   gradient of the layer output
+            wpack_rows  (B, G*H, 16)    in   W_h packed by pack_recurrent_rows
+            hs, cs, saved                in   the training forward's record (layer_forward)
+            dgx         (T, N, D*G*H)   out  d(pre-activation), this direction's columns
+            dgh         (T, N, D*G*H)   out  the recurrent side where it differs (GRU);
+                                             (T, N, 0) otherwise
+            dh_rec0     (N, H)          in   gradient of the final state h (dhy)
+            dh_carry    (N, H)          in/out  must be 0 on entry; on exit the part of
+                                             dh_0 that bypasses W_h
+            dc_carry    (N, H)          in/out  dcy on entry, dc_0 on exit; (N, 0) else
+            tiles       (B, N, 256)     scratch
+        On exit dh_0 = dg_first @ W_h + dh_carry, where dg_first is dgh (or dgx) at the
+        direction's first step; the caller runs that last GEMM."""
+        scalar = self.dtype.type
+        with LAUNCH_LOCK:
+            self._backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
+                           dc_carry, tiles, lengths, scalar(clip_lo), scalar(clip_hi),
+                           clip_flags)
 
 
 _layers: dict = {}

@@ -4,9 +4,13 @@ Why not numpy's BLAS per step: the recurrent product is (N, K) @ (K, G*H) with N
 (20 in the design-doc case), and OpenBLAS re-packs the whole weight matrix on every
 call; measured on the 2-core machine at N=20 K=800 (float32), `np.matmul` runs at
 48 GFLOP/s for G*H=3200 and 55 GFLOP/s for 800, a quarter of its 2048^3 rate. The
-weights do not change during a call, so we pack them once into 16-column panels
-and run this kernel over them; one core reaches 80-90 GFLOP/s with the operands in
-L1-L3 (bench: `python bench/microkernel.py`).
+weights do not change during a call, so we pack them once into 16-column panels and
+run this kernel over them. Measured on that machine: one core runs the kernel at
+80-90 GFLOP/s while a panel set stays in L1-L3 (2.6 MB), 50-60 when it streams 10 MB
+per pass; at the LSTM shape above, 2 threads, 60-93 GFLOP/s against numpy's 46-65
+(`python bench/microkernel.py`; the machine is shared and these spread widely). In
+float64 numpy's dgemm is as fast or faster at these shapes; the fused loop still wins
+there by keeping W_h h in a cache-resident tile and skipping a second parallel region.
 
 Numba cannot keep a tile of accumulators in vector registers on its own (its loop
 vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
@@ -15,11 +19,12 @@ broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one). With AVX2
 float32 6 rows x 2 ymm, float64 3 rows x 4 ymm; 12 accumulators + panel + broadcast
 fit the 16 registers.
 
-panel_gemm(a, lda, rows, panel, c, ldc, k)  (inline Numba function)
+panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     a      address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
     panel  address of one packed panel: (k, PANEL) contiguous, 16 columns of B
     c      address of C[0, 0]; C (rows, PANEL) with row stride ldc; overwritten with A @ B
-    All three are of the same floating dtype; C must not overlap A or the panel.
+    like   any scalar of the data's dtype (float32 or float64): picks the precision
+    All three are of that dtype; C must not overlap A or the panel.
 """
 from __future__ import annotations
 
@@ -28,34 +33,38 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-__all__ = ["PANEL", "ROWS", "panel_gemm_for", "pack_columns", "pack_rows"]
+__all__ = ["PANEL", "ROWS", "panel_gemm", "panel_gemm_for", "pack_columns", "pack_rows"]
 
 PANEL = 16                                        # columns per packed panel
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}   # MR: rows per register tile
 
 
-def _tile_intrinsic(dtype, rows):
-    """C[rows, PANEL] = A[rows, k] @ panel[k, PANEL], accumulators in registers."""
-    lanes = 32 // np.dtype(dtype).itemsize            # one 256-bit vector
-    vectors = PANEL // lanes
+def _tile_intrinsic(rows):
+    """C[rows, PANEL] = A[rows, k] @ panel[k, PANEL], accumulators in registers; the
+    precision is that of the last argument (any scalar of the data's dtype)."""
 
     @intrinsic
-    def tile(typingctx, a, lda, panel, c, ldc, k):
+    def tile(typingctx, a, lda, panel, c, ldc, k, like):
         for arg in (a, lda, panel, c, ldc, k):
             if not isinstance(arg, types.Integer):
                 return None
+        if like not in (types.float32, types.float64):
+            return None
+        single = like == types.float32
+        lanes = 8 if single else 4                    # one 256-bit vector
+        vectors = PANEL // lanes
 
         def codegen(context, builder, signature, args):
             a, lda, panel, c, ldc, k = (context.cast(builder, v, t, types.intp)
-                                        for v, t in zip(args, signature.args))
+                                        for v, t in zip(args[:6], signature.args[:6]))
             intp = a.type
-            scalar = ir.FloatType() if np.dtype(dtype) == np.float32 else ir.DoubleType()
+            scalar = ir.FloatType() if single else ir.DoubleType()
             vec = ir.VectorType(scalar, lanes)
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                f"llvm.fmuladd.v{lanes}{'f32' if lanes == 8 else 'f64'}")
+                f"llvm.fmuladd.v{lanes}{'f32' if single else 'f64'}")
             a_ptr = builder.inttoptr(a, scalar.as_pointer())
             b_ptr = builder.inttoptr(panel, scalar.as_pointer())
             c_ptr = builder.inttoptr(c, scalar.as_pointer())
@@ -88,52 +97,63 @@ def _tile_intrinsic(dtype, rows):
                                   align=1)
             return context.get_dummy_value()
 
-        return types.void(a, lda, panel, c, ldc, k), codegen
+        return types.void(a, lda, panel, c, ldc, k, like), codegen
 
     return tile
 
 
-_panel_gemms = {}
+# Module globals, not closure variables: Numba's disk cache keys on a closure's pickled
+# cells, and a pickled intrinsic or dispatcher differs in every process (a cache miss
+# and a new cache file per process).
+_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_tile_intrinsic(r) for r in range(1, 7))
+
+
+def _register_rows(like):
+    return ROWS[np.dtype(type(like))]
+
+
+@overload(_register_rows)
+def _register_rows_overload(like):
+    rows = ROWS[np.dtype(np.float32 if like == types.float32 else np.float64)]
+    return lambda like: rows
+
+
+@nb.njit(inline="always")
+def panel_gemm(a, lda, rows, panel, c, ldc, k, like):
+    """The micro-kernel over `rows` rows (module docstring); `like`: a scalar of the data's
+    dtype, which picks the precision."""
+    mr = _register_rows(like)
+    itemsize = 4 if mr == 6 else 8
+    # Balanced tiles (20 rows: 4 x 5, not 6+6+6+2): a thin tail tile does a third of the
+    # FMAs per panel load of a full one.
+    tiles = (rows + mr - 1) // mr
+    r = 0
+    for i in range(tiles):
+        height = (rows - r) // (tiles - i)
+        a_r, c_r = a + r * lda * itemsize, c + r * ldc * itemsize
+        if height == 1:
+            _tile1(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 2:
+            _tile2(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 3:
+            _tile3(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 4:
+            _tile4(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 5:
+            _tile5(a_r, lda, panel, c_r, ldc, k, like)
+        else:
+            _tile6(a_r, lda, panel, c_r, ldc, k, like)
+        r += height
 
 
 def panel_gemm_for(dtype):
-    """The inline Numba function panel_gemm (module docstring) for `dtype`."""
-    dtype = np.dtype(dtype)
-    if dtype in _panel_gemms:
-        return _panel_gemms[dtype]
-    mr = ROWS[dtype]
-    itemsize = dtype.itemsize
-    tiles = tuple(_tile_intrinsic(dtype, r) for r in range(1, mr + 1))
-    full = tiles[mr - 1]
-    # Numba needs each intrinsic as a separate global to call it; bind them by rank.
-    t1, t2, t3 = tiles[0], tiles[1], tiles[2]
-    t4, t5 = (tiles[3], tiles[4]) if mr > 3 else (t3, t3)
+    """panel_gemm bound to `dtype`, for callers that prefer the 7-argument form."""
+    zero = np.dtype(dtype).type(0)
 
     @nb.njit(inline="always")
-    def panel_gemm(a, lda, rows, panel, c, ldc, k):
-        # Balanced tiles (20 rows: 4 x 5, not 6+6+6+2): a thin tail tile does a third
-        # of the FMAs per panel load of a full one.
-        tiles = (rows + mr - 1) // mr
-        r = 0
-        for i in range(tiles):
-            height = (rows - r) // (tiles - i)
-            a_r, c_r = a + r * lda * itemsize, c + r * ldc * itemsize
-            if height == mr:
-                full(a_r, lda, panel, c_r, ldc, k)
-            elif height == 1:
-                t1(a_r, lda, panel, c_r, ldc, k)
-            elif height == 2:
-                t2(a_r, lda, panel, c_r, ldc, k)
-            elif height == 3:
-                t3(a_r, lda, panel, c_r, ldc, k)
-            elif height == 4:
-                t4(a_r, lda, panel, c_r, ldc, k)
-            elif height == 5:
-                t5(a_r, lda, panel, c_r, ldc, k)
-            r += height
-
-    _panel_gemms[dtype] = panel_gemm
-    return panel_gemm
+    def bound(a, lda, rows, panel, c, ldc, k):
+        panel_gemm(a, lda, rows, panel, c, ldc, k, zero)
+    return bound
 
 
 def pack_columns(w, gates, out=None):

@@ -1,6 +1,6 @@
-"""Each cell's forward pointwise math for one hidden unit of one sample: the only place a
-mode's forward formula lives on the CPU. The per-step kernels (cells.py) and the fused
-layer loops (fused.py) both drive these.
+"""Each cell's pointwise math for one hidden unit of one sample, forward and backward:
+the only place a mode's formulas live on the CPU. The per-step kernels (cells.py) and
+the fused layer loops (fused.py) both drive these.
 
 forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, clip_lo, clip_hi, clip_flags)
         -> (h, c, s0, s1, s2, s3)
@@ -9,6 +9,15 @@ forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, clip_lo, clip_hi, clip_f
     h_prev, c_prev  the unit's previous state (c: LSTM only; 0 where absent)
     returns the new state h, the new cell state c (LSTM; else 0) and the training record
     s_0..s_{S-1} (CellSpec.saved values; the rest 0)
+
+backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, clip_lo, clip_hi, clip_flags)
+        -> (dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dh_carry, dc_carry)
+    dh   all gradient reaching this step's h (output + recurrence + direct carry)
+    dc   gradient reaching this step's c from the next step (LSTM; else 0)
+    s_k  the forward's record; h_prev, c_prev, c_t the states around the step
+    returns the gradients w.r.t. each gate's input-side (dx_g) and recurrent-side (dr_g)
+    pre-activation (equal except GRU's n gate), the gradient that reaches h_prev directly
+    (GRU's z*dh; else 0) and the one that reaches c_prev (LSTM's f*dc; else 0)
 
 All arithmetic stays in the data's precision (the activations come from mathfn), so a
 loop over units vectorises.
@@ -20,7 +29,8 @@ import numba as nb
 from ..recurrence import CLIP, CLIP_NAN  # the clip_flags bits, defined once
 from .mathfn import one_like, sigmoid, tanh, zero_like
 
-__all__ = ["FORWARD_UNITS", "clip", "unclipped"]
+__all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "clip",
+           "forward_unit", "unclipped"]
 
 
 @nb.njit(inline="always", cache=True)
@@ -38,9 +48,10 @@ def clip(c, lo, hi, flags):
 @nb.njit(inline="always", cache=True)
 def unclipped(c, lo, hi, flags):
     """1 where the clip let c through (its gradient flows), else 0 (also for NaN)."""
+    one = one_like(c)
     if flags & CLIP:
-        return 1.0 if (lo <= c <= hi) else 0.0
-    return 1.0
+        return one if (lo <= c <= hi) else zero_like(c)
+    return one
 
 
 @nb.njit(inline="always", cache=True)
@@ -77,9 +88,85 @@ def gru_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags):
     return h, zero_like(h), r, z, n, r2
 
 
+@nb.njit(inline="always", cache=True)
+def relu_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
+    z = zero_like(dh)
+    dx = dh if s0 > z else z      # s0 = h
+    return dx, z, z, z, dx, z, z, z, z, z
+
+
+@nb.njit(inline="always", cache=True)
+def tanh_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
+    z = zero_like(dh)
+    dx = dh * (one_like(dh) - s0 * s0)
+    return dx, z, z, z, dx, z, z, z, z, z
+
+
+@nb.njit(inline="always", cache=True)
+def lstm_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
+    i, f, g, o, one = s0, s1, s2, s3, one_like(dh)
+    tc = tanh(c_t)
+    dc = dc + dh * o * (one - tc * tc)
+    # The clip's gradient: 0 where the update left [lo, hi] (recomputed pre-clip value).
+    dc = dc * unclipped(f * c_prev + i * g, lo, hi, flags)
+    di = dc * g * i * (one - i)
+    df = dc * c_prev * f * (one - f)
+    dg = dc * i * (one - g * g)
+    do = dh * tc * o * (one - o)
+    return di, df, dg, do, di, df, dg, do, zero_like(dh), dc * f
+
+
+@nb.njit(inline="always", cache=True)
+def gru_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
+    r, z, n, hn, one = s0, s1, s2, s3, one_like(dh)
+    dn = dh * (one - z) * (one - n * n)
+    dr = dn * hn * r * (one - r)
+    dz = dh * (h_prev - n) * z * (one - z)
+    zero = zero_like(dh)
+    return dr, dz, dn, zero, dr, dz, dn * r, zero, dh * z, zero
+
+
+BACKWARD_UNITS = {
+    "rnn_relu": relu_backward,
+    "rnn_tanh": tanh_backward,
+    "lstm": lstm_backward,
+    "gru": gru_backward,
+}
+
 FORWARD_UNITS = {
     "rnn_relu": relu_forward,
     "rnn_tanh": tanh_forward,
     "lstm": lstm_forward,
     "gru": gru_forward,
 }
+
+
+# The kernels hold a mode's index (a plain int) rather than its unit functions: Numba's
+# disk cache keys on a closure's pickled cells, and a pickled Numba function differs in
+# every process. The branch on a constant index compiles to the one unit.
+MODE_INDEX = {mode: i for i, mode in enumerate(FORWARD_UNITS)}
+
+
+@nb.njit(inline="always", cache=True)
+def forward_unit(mode, x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags):
+    if mode == 0:
+        return relu_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags)
+    if mode == 1:
+        return tanh_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags)
+    if mode == 2:
+        return lstm_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags)
+    return gru_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags)
+
+
+@nb.njit(inline="always", cache=True)
+def backward_unit(mode, dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
+    if mode == 0:
+        return relu_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags)
+    if mode == 1:
+        return tanh_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags)
+    if mode == 2:
+        return lstm_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags)
+    return gru_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags)
+
+
+assert list(MODE_INDEX) == ["rnn_relu", "rnn_tanh", "lstm", "gru"] == list(BACKWARD_UNITS)

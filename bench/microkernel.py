@@ -1,0 +1,85 @@
+"""The packed GEMM micro-kernel against numpy's BLAS at the recurrent product's shape.
+
+    python bench/microkernel.py [--repeats 20] [--dtype float32|float64]
+
+C = A @ W.T with A (20, 800), one step's h_{t-1} in the design-doc case, and W (cols, 800)
+for cols = 3200 (an LSTM's 4H at H = 800) and 800, timed side by side in one run:
+  numpy   np.matmul(A, W.T, out=C): OpenBLAS, which re-packs W on every call
+  kernel  panel_gemm (fusedrnn/cpu/microkernel.py) over W packed once into 16-column
+          panels (outside the timing), the panels split over Numba's threads by prange,
+          as the fused layer loop does
+Prints the median GFLOP/s (2*N*K*cols per call) of each and kernel/numpy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numba as nb
+import numpy as np
+from numba import prange
+
+from fusedrnn.cpu.microkernel import PANEL, pack_columns, panel_gemm_for
+
+N, K, COLUMNS = 20, 800, (3200, 800)
+
+
+def make_kernel(dtype):
+    panel_gemm, itemsize = panel_gemm_for(dtype), np.dtype(dtype).itemsize
+
+    @nb.njit(parallel=True, nogil=True)
+    def kernel(a, panels, c):
+        for p in prange(panels.shape[0]):     # one 16-column panel of C per iteration
+            panel_gemm(a.ctypes.data, a.shape[1], a.shape[0], panels[p].ctypes.data,
+                       c.ctypes.data + p * PANEL * itemsize, c.shape[1], a.shape[1])
+    return kernel
+
+
+def calls_per_sample(f, seconds=0.02):
+    """Calls per timed sample, so that one sample lasts ~`seconds`: a single call
+    (~10 us) is below the timer's useful resolution and its noise."""
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        f()
+        calls += 1
+    return calls
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=20, help="timed samples per method")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    args = p.parse_args()
+    dtype = np.dtype(args.dtype)
+    kernel = make_kernel(dtype)
+    rng = np.random.default_rng(0)
+    print(f"{dtype}, N={N}, K={K}, {nb.get_num_threads()} Numba threads; "
+          f"median of {args.repeats} after a warm-up")
+    print(f"{'cols':>6} {'numpy GFLOP/s':>14} {'kernel GFLOP/s':>15} {'kernel/numpy':>13}")
+    for cols in COLUMNS:
+        a = rng.standard_normal((N, K)).astype(dtype)
+        w = rng.standard_normal((cols, K)).astype(dtype)
+        panels = pack_columns(w, 1).reshape(-1, K, PANEL)     # packed once, not timed
+        c_numpy, c_kernel = np.empty((N, cols), dtype), np.empty((N, cols), dtype)
+        methods = {"numpy": lambda: np.matmul(a, w.T, out=c_numpy),
+                   "kernel": lambda: kernel(a, panels, c_kernel)}
+        # Warm-up (compiles the kernel, spins up both thread pools), then a check: a fast
+        # wrong answer is worth nothing.
+        calls = {name: calls_per_sample(f) for name, f in methods.items()}
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        assert np.max(np.abs(c_kernel - c_numpy)) <= tol * np.max(np.abs(c_numpy))
+        times = {name: [] for name in methods}
+        for _ in range(args.repeats):        # interleaved: both see the same machine state
+            for name, f in methods.items():
+                t0 = time.perf_counter()
+                for _ in range(calls[name]):
+                    f()
+                times[name].append((time.perf_counter() - t0) / calls[name])
+        gflops = {name: 2 * N * K * cols / statistics.median(t) / 1e9 for name, t in times.items()}
+        print(f"{cols:>6} {gflops['numpy']:>14.1f} {gflops['kernel']:>15.1f} "
+              f"{gflops['kernel'] / gflops['numpy']:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()

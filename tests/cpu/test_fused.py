@@ -1,0 +1,226 @@
+"""fusedrnn.cpu.fused, the whole-layer loop of the CPU backend.
+
+(a) fusedrnn.RNN through the fused loop against the generic per-step path (the backend's
+    fused_layer patched to None): outputs, states and training gradients, for every
+    mode, both dtypes, hidden sizes that are and are not multiples of the 16-unit
+    panel, with sequence lengths and with LSTM cell-state clipping (NaN handling too).
+(b) FusedLayer.forward called directly on NaN-poisoned buffers: every element it must
+    write is written (and right, against tests/reference.py's cell), nothing of the
+    other direction is read or written.
+(c) pack_recurrent / pack_recurrent_rows against the layouts their docstrings define.
+"""
+import numpy as np
+import pytest
+
+import fusedrnn
+from conftest import MODES, make_case, rel_err
+from fusedrnn.config import CELLS
+from fusedrnn.cpu import CpuBackend
+from fusedrnn.cpu.fused import (FusedLayer, fused_layer, pack_recurrent, pack_recurrent_rows,
+                                panels)
+from fusedrnn.cpu.microkernel import PANEL, pack_columns, pack_rows
+from fusedrnn.recurrence import NEXT, PREV
+from reference import cell as reference_cell
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+T, I = 6, 5
+LENGTHS = np.array([3, T, 1, 5, T, 2, 4])   # the first N of them; some < T, one of 1
+# (0 is not a valid length: validate.py requires 1..T.)
+
+
+def _run(case, kw, heads, options):
+    """Inference outputs, training outputs and gradients of one call, as one list."""
+    inference = fusedrnn.RNN(**case, **kw, **options, state_outputs=True)
+    *training, handle = fusedrnn.RNN(**case, **kw, **options, state_outputs=True, train=True)
+    grads = fusedrnn.rnn_backward(handle, **heads)
+    return [*inference, *training, *grads]
+
+
+def fused_and_generic(monkeypatch, case, kw, heads=None, **options):
+    """The same calls through the fused loop and through the generic per-step path, each
+    on a freshly built op; checks the first really went through FusedLayer."""
+    original, built = CpuBackend.fused_layer, []
+
+    def spy(config, dtype):
+        built.append(original(config, dtype))
+        return built[-1]
+
+    results = []
+    for choose in (spy, lambda config, dtype: None):
+        monkeypatch.setattr(CpuBackend, "fused_layer", staticmethod(choose))
+        fusedrnn.clear_cache()
+        if heads is None:   # forward only
+            results.append(list(fusedrnn.RNN(**case, **kw, **options, state_outputs=True)))
+        else:
+            results.append(_run(case, kw, heads, options))
+    assert built and all(isinstance(layer, FusedLayer) for layer in built)
+    return results
+
+
+def assert_same(fused, generic, tol):
+    """Equal within tol (rel_err), NaN in exactly the same places."""
+    assert len(fused) == len(generic)
+    for i, (a, b) in enumerate(zip(fused, generic)):
+        if b is None:
+            assert a is None, i
+            continue
+        nan = np.isnan(b)
+        assert np.array_equal(np.isnan(a), nan), f"result {i}: NaN in different places"
+        assert rel_err(np.where(nan, 0, a), np.where(nan, 0, b)) <= tol, f"result {i}"
+
+
+# -- (a) the op: fused loop == generic per-step path ----------------------------------
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
+@pytest.mark.parametrize("N", [1, 7])
+@pytest.mark.parametrize("H", [1, 16, 17, 33])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_op_fused_matches_generic_path(monkeypatch, mode, dtype, H, N, lengths):
+    """2 layers, bidirectional: inference, training forward and all gradients."""
+    case, kw, heads = make_case(mode, T=T, N=N, I=I, H=H, L=2, D=2, dtype=dtype,
+                                seed=H * 10 + N)
+    options = dict(sequence_length=LENGTHS[:N], use_sequence_length=True) if lengths else {}
+    fused, generic = fused_and_generic(monkeypatch, case, kw, heads, **options)
+    assert not any(np.isnan(a).any() for a in generic if a is not None)
+    assert_same(fused, generic, TOL[dtype])
+
+
+CLIP = dict(lstm_state_clip_min=-0.25, lstm_state_clip_max=0.3)
+
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
+@pytest.mark.parametrize("H", [1, 17, 33])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_op_fused_matches_generic_path_with_lstm_clipping(monkeypatch, dtype, H, lengths):
+    case, kw, heads = make_case("lstm", T=T, N=7, I=I, H=H, L=2, D=2, dtype=dtype, seed=H)
+    options = dict(CLIP, sequence_length=LENGTHS, use_sequence_length=True) if lengths else CLIP
+    fused, generic = fused_and_generic(monkeypatch, case, kw, heads, **options)
+    cy = generic[2]
+    assert (cy == dtype(0.3)).any() or (cy == dtype(-0.25)).any(), "the clip never acted"
+    assert_same(fused, generic, TOL[dtype])
+
+
+@pytest.mark.parametrize("clip_nan", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_op_fused_matches_generic_path_with_nan_in_the_cell_state(monkeypatch, dtype,
+                                                                  clip_nan):
+    """A NaN in sample 1's data at t=2 makes its c NaN in both directions of both layers:
+    lstm_state_clip_nan turns it into the lower bound, else it propagates to cy."""
+    case, kw, _ = make_case("lstm", T=T, N=3, I=I, H=17, L=2, D=2, dtype=dtype, seed=5)
+    case["data"][2, 1, 0] = np.nan
+    fused, generic = fused_and_generic(monkeypatch, case, kw, **CLIP,
+                                       lstm_state_clip_nan=clip_nan)
+    cy = generic[2]
+    if clip_nan:
+        assert (cy[:, 1] == dtype(-0.25)).all()
+    else:
+        assert np.isnan(cy[:, 1]).all()
+    assert not np.isnan(cy[:, [0, 2]]).any()
+    assert_same(fused, generic, TOL[dtype])
+
+
+# -- (b) FusedLayer.forward on its own ------------------------------------------------
+
+def _expected_direction(mode, d, xproj, w_h, bx, bh, h0, c0, lengths):
+    """float64 hs[d], cs[d] (T+1, N, H) and y's direction-d columns (T, N, H), one
+    sample and step at a time with tests/reference.py's cell (W_x = identity, so x is
+    the projection itself)."""
+    N, H = h0.shape
+    GH = w_h.shape[0]
+    eye, cols = np.eye(GH), slice(d * GH, (d + 1) * GH)
+    hs, cs = np.zeros((T + 1, N, H)), np.zeros((T + 1, N, H))
+    y = np.zeros((T, N, H))
+    first = 0 if d == 0 else T
+    hs[first], cs[first] = h0, c0
+    for t in (range(T) if d == 0 else range(T - 1, -1, -1)):
+        prev, nxt = t + PREV[d], t + NEXT[d]
+        for n in range(N):
+            if t < lengths[n]:
+                hs[nxt, n], cs[nxt, n] = reference_cell(mode, xproj[t, n, cols], hs[prev, n],
+                                                        cs[prev, n], eye, w_h, bx, bh)
+                y[t, n] = hs[nxt, n]
+            else:   # past the sample's length: the state is carried, the output is 0
+                hs[nxt, n], cs[nxt, n] = hs[prev, n], cs[prev, n]
+    return hs, cs, y
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
+@pytest.mark.parametrize("H", [1, 17, 33])
+@pytest.mark.parametrize("d", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, record):
+    spec, D, N = CELLS[mode], 2, 4
+    G, lstm, other = spec.gates, spec.has_cell_state, 1 - d
+    layer = fused_layer(mode, dtype)
+    rng = np.random.default_rng([H, d, int(lengths), int(record)])
+    scale = H ** -0.5
+    xproj = rng.standard_normal((T, N, D * G * H)).astype(dtype)
+    xproj[:, :, other * G * H:(other + 1) * G * H] = np.nan   # must not be read
+    w_h = rng.uniform(-scale, scale, (G * H, H)).astype(dtype)
+    bx, bh = (rng.uniform(-scale, scale, G * H).astype(dtype) for _ in range(2))
+    h0, c0 = (rng.standard_normal((N, H)).astype(dtype) for _ in range(2))
+    first = 0 if d == 0 else T
+    hs = np.full((D, T + 1, N, H), np.nan, dtype)
+    hs[d, first] = h0
+    cs = np.full((D, T + 1, N, H if lstm else 0), np.nan, dtype)
+    if lstm:
+        cs[d, first] = c0
+    y = np.full((T, N, D * H), np.nan, dtype)
+    saved = np.full((D, T, N, spec.saved * H) if record else (0, 0, 0, 0), np.nan, dtype)
+    wpack = np.full((panels(H), G, H, PANEL), np.nan, dtype)
+    tiles = np.full((panels(H), N, layer.tile_width), np.nan, dtype)
+    steps = LENGTHS[:N] if lengths else np.empty(0, np.int64)
+
+    layer.pack(w_h, wpack)
+    layer.forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, steps, 0.0, 0.0, 0)
+
+    want_hs, want_cs, want_y = _expected_direction(
+        mode, d, xproj.astype(np.float64), w_h.astype(np.float64), bx.astype(np.float64),
+        bh.astype(np.float64), h0.astype(np.float64), c0.astype(np.float64) if lstm else
+        np.zeros((N, H)), LENGTHS[:N] if lengths else np.full(N, T))
+    mine = slice(d * H, (d + 1) * H)
+    assert rel_err(hs[d], want_hs) <= TOL[dtype]          # rel_err: NaN fails
+    assert rel_err(y[:, :, mine], want_y) <= TOL[dtype]
+    assert np.array_equal(y[:, :, mine] == 0, want_y == 0)  # exact 0 past each length
+    assert np.isnan(hs[other]).all() and np.isnan(np.delete(y, np.s_[mine], axis=2)).all()
+    if lstm:
+        assert rel_err(cs[d], want_cs) <= TOL[dtype]
+        assert np.isnan(cs[other]).all()
+    if record:
+        active = np.arange(T)[:, None] < (LENGTHS[:N] if lengths else np.full(N, T))
+        assert not np.isnan(saved[d][active]).any()
+        assert np.isnan(saved[other]).all()
+
+
+# -- (c) packing layouts --------------------------------------------------------------
+
+@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("mode", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_pack_recurrent_layout(dtype, mode, H):
+    """(B, G, K, 16): out[b, g, k, u] = W_h[g*H + 16b + u, k], 0 past H."""
+    G, K = CELLS[mode].gates, 7
+    w = np.random.default_rng([G, H]).standard_normal((G * H, K)).astype(dtype)
+    out = np.full((panels(H), G, K, PANEL), np.nan, dtype)
+    assert pack_recurrent(w, G, out) is out
+    for b, g, k, u in np.ndindex(out.shape):
+        j = PANEL * b + u
+        assert out[b, g, k, u] == (w[g * H + j, k] if j < H else 0), (b, g, k, u)
+    assert np.array_equal(out, pack_columns(w, G))   # the micro-kernel's own packing
+
+
+@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_pack_recurrent_rows_layout(dtype, R):
+    """(B, G*H, 16): out[b, k, u] = W_h[k, 16b + u], 0 past R."""
+    GH = 9
+    w = np.random.default_rng(R).standard_normal((GH, R)).astype(dtype)
+    out = np.full((panels(R), GH, PANEL), np.nan, dtype)
+    assert pack_recurrent_rows(w, out) is out
+    for b, k, u in np.ndindex(out.shape):
+        j = PANEL * b + u
+        assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
+    assert np.array_equal(out, pack_rows(w))

@@ -1,0 +1,120 @@
+"""fusedrnn.cpu.microkernel: the packed-panel GEMM kernel against float64 numpy for every
+row count up to two register tiles (and 20, the balanced 4 x 5 split), with a row
+stride of A wider than K and a C wider than the panels whose padding columns must stay
+untouched; pack_columns and pack_rows element by element against their docstrings."""
+import functools
+
+import numba as nb
+import numpy as np
+import pytest
+
+from fusedrnn.cpu.microkernel import PANEL, ROWS, pack_columns, pack_rows, panel_gemm_for
+
+C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
+A_PAD = 3    # A's row stride is K + A_PAD: lda is honoured, not assumed to be K
+TOL = {np.float32: 1e-5, np.float64: 1e-12}   # relative to max |A @ W.T|
+
+
+@functools.cache
+def driver(dtype):
+    """C[b, :, g*16:(g+1)*16] = A @ panels[b, g], panel by panel."""
+    panel_gemm, itemsize = panel_gemm_for(dtype), np.dtype(dtype).itemsize
+
+    @nb.njit
+    def run(a, lda, rows, panels, c):
+        for b in range(panels.shape[0]):
+            for g in range(panels.shape[1]):
+                panel_gemm(a.ctypes.data, lda, rows, panels[b, g].ctypes.data,
+                           c[b].ctypes.data + g * PANEL * itemsize, c.shape[2],
+                           panels.shape[2])
+    return run
+
+
+def product(a, panels):
+    """A @ panels through the kernel, into a NaN-poisoned C (B, rows, G*16 + C_PAD)."""
+    rows, K = a.shape
+    a_strided = np.full((rows, K + A_PAD), np.nan, a.dtype)
+    a_strided[:, :K] = a
+    B, G = panels.shape[:2]
+    c = np.full((B, rows, G * PANEL + C_PAD), np.nan, a.dtype)
+    driver(a.dtype.type)(a_strided, K + A_PAD, rows, panels, c)
+    return c
+
+
+def panel_rel_err(c, want, G):
+    """The computed columns of c against want (B, rows, G*16), relative to max |want|."""
+    got = c[:, :, :G * PANEL].astype(np.float64)
+    return np.max(np.abs(got - want)) / np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("gates", [1, 3, 4])
+@pytest.mark.parametrize("K", [1, 7, 64])
+# Every height up to two float32 tiles + 1 (all tail splits), and 20 (balanced 4 x 5).
+@pytest.mark.parametrize("rows", [*range(1, 2 * max(ROWS.values()) + 2), 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_panel_gemm_with_packed_columns_matches_numpy(dtype, rows, K, gates, H):
+    rng = np.random.default_rng([rows, K, gates, H])
+    a = rng.standard_normal((rows, K)).astype(dtype)
+    w = rng.standard_normal((gates * H, K)).astype(dtype)
+    c = product(a, pack_columns(w, gates))
+    B = -(-H // PANEL)
+    # Expected, in C's layout: block b, gate g, unit u is column g*H + 16b + u of A @ W.T,
+    # and exactly 0 for the padding units past H (their packed weights are 0).
+    full = a.astype(np.float64) @ w.astype(np.float64).T
+    padded = np.zeros((rows, gates, B * PANEL))
+    padded[:, :, :H] = full.reshape(rows, gates, H)
+    want = padded.reshape(rows, gates, B, PANEL).transpose(2, 0, 1, 3).reshape(B, rows, -1)
+    assert panel_rel_err(c, want, gates) <= TOL[dtype]
+    past_h = (np.arange(B * PANEL) >= H).reshape(B, 1, 1, PANEL)
+    assert np.all(np.where(past_h, c[:, :, :gates * PANEL].reshape(B, rows, gates, PANEL), 0)
+                  == 0), "units past H are not exactly 0"
+    assert np.isnan(c[:, :, gates * PANEL:]).all(), "padding columns of C were written"
+
+
+@pytest.mark.parametrize("R", [1, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_panel_gemm_with_packed_rows_matches_numpy(dtype, rows, R):
+    """The backward product dg @ W (W (GH, R)) through pack_rows' panels."""
+    GH = 3 * 7
+    rng = np.random.default_rng([rows, R])
+    dg = rng.standard_normal((rows, GH)).astype(dtype)
+    w = rng.standard_normal((GH, R)).astype(dtype)
+    packed = pack_rows(w)
+    c = product(dg, packed[:, None])              # one "gate" per panel
+    B = packed.shape[0]
+    want = np.zeros((rows, B * PANEL))
+    want[:, :R] = dg.astype(np.float64) @ w.astype(np.float64)
+    want = want.reshape(rows, B, PANEL).transpose(1, 0, 2)
+    assert panel_rel_err(c, want, 1) <= TOL[dtype]
+    assert np.isnan(c[:, :, PANEL:]).all(), "padding columns of C were written"
+
+
+@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("gates", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pack_columns_layout(dtype, gates, H):
+    """(ceil(H/16), gates, K, 16): out[b, g, k, u] = w[g*H + 16b + u, k], 0 past H."""
+    K = 5
+    w = np.random.default_rng([gates, H]).standard_normal((gates * H, K)).astype(dtype)
+    out = np.full((-(-H // PANEL), gates, K, PANEL), np.nan, dtype)
+    assert pack_columns(w, gates, out=out) is out
+    for b, g, k, u in np.ndindex(out.shape):
+        j = PANEL * b + u
+        assert out[b, g, k, u] == (w[g * H + j, k] if j < H else 0), (b, g, k, u)
+    assert np.array_equal(pack_columns(w, gates), out)
+
+
+@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pack_rows_layout(dtype, R):
+    """(ceil(R/16), GH, 16): out[b, k, u] = w[k, 16b + u], 0 past R."""
+    GH = 12
+    w = np.random.default_rng(R).standard_normal((GH, R)).astype(dtype)
+    out = np.full((-(-R // PANEL), GH, PANEL), np.nan, dtype)
+    assert pack_rows(w, out=out) is out
+    for b, k, u in np.ndindex(out.shape):
+        j = PANEL * b + u
+        assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
+    assert np.array_equal(pack_rows(w), out)
