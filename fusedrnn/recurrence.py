@@ -98,6 +98,8 @@ class RecurrentOp:
             blocks = self.fused.blocks(H)
             shapes["wpack"] = (blocks, config.cell.gates, H, self.fused.panel)
             shapes["tiles"] = (blocks, N, self.fused.tile_width)
+            shapes["wx_panels"], shapes["spill"] = self.fused.project_shapes(
+                T * N, D * GH, max_in)
         self.scratch, self.nbytes = _carve(self.xp, dtype, shapes)
         self.no_lengths = self.xp.empty(0, dtype="int64")
         self._backward_scratch = None
@@ -206,11 +208,14 @@ class RecurrentOp:
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
         lstm, proj = cfg.cell.has_cell_state, bool(cfg.projection_size)
         empty, s, lay = self.scratch.empty, self.scratch, self.layout
-        xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         xproj = s.xproj.reshape(T, N, D * GH)
         if self.fused is not None:
+            self.fused.project(x.reshape(T * N, -1),
+                               [lay.view(params, layer, d, "W_x") for d in range(D)],
+                               s.wx_panels, s.xproj, s.spill)
             self._fused_layer_forward(layer, xproj, params, h0, c0, y, opts, hs, cs, saved)
             return
+        xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         active, inactive = masks
         for d in range(D):
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))

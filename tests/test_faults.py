@@ -40,6 +40,7 @@ def fault(monkeypatch):
             return None
         return SimpleNamespace(panel=layer.panel, tile_width=layer.tile_width,
                                blocks=layer.blocks, pack=layer.pack, pack_rows=layer.pack_rows,
+                               project_shapes=layer.project_shapes, project=layer.project,
                                forward=wrap(layer.forward), backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer

@@ -38,6 +38,7 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
+from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
 from .threads import LAUNCH_LOCK
@@ -268,6 +269,20 @@ class FusedLayer:
 
     def pack(self, w_h, out):
         return pack_recurrent(w_h, self.gates, out)
+
+    @staticmethod
+    def project_shapes(rows, columns, max_inputs):
+        """Scratch for project(): the packed input weights (flat) and the spill tiles."""
+        return ((panels(columns) * max_inputs * PANEL,),
+                (-(-rows // CHUNK), CHUNK, PANEL))
+
+    def project(self, x2d, w_xs, pack_scratch, out, spill):
+        """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
+        (gemm.py says why not numpy's). pack_scratch, spill: project_shapes()'s."""
+        K = x2d.shape[1]
+        wpack = pack_scratch[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
+        pack_input_weights(w_xs, wpack)
+        project(np.ascontiguousarray(x2d), wpack, out, spill)
 
     def forward(self, xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                 clip_lo, clip_hi, clip_flags):

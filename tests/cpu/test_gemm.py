@@ -1,0 +1,45 @@
+"""The input projection on Numba's threads (fusedrnn/cpu/gemm.py) against float64 numpy."""
+import numpy as np
+import pytest
+
+from fusedrnn.cpu.gemm import CHUNK, pack_input_weights, project
+from fusedrnn.cpu.microkernel import PANEL
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows, k, blocks", [
+    (1, 1, [1]),               # smallest: one partial panel, one partial chunk
+    (CHUNK, 16, [16]),         # exact chunk and panel
+    (CHUNK + 5, 37, [24, 24]), # two directions sharing a panel (24 + 24 = 3 panels)
+    (300, 64, [80, 80]),       # two directions, whole panels
+    (7, 200, [3 * 33]),        # a GRU-like odd gate count
+])
+def test_project_matches_float64_reference(dtype, rows, k, blocks):
+    rng = np.random.default_rng(rows * 1000 + k)
+    a = rng.standard_normal((rows, k)).astype(dtype)
+    ws = [rng.standard_normal((n, k)).astype(dtype) for n in blocks]
+    columns = sum(blocks)
+    wpack = np.full((-(-columns // PANEL), k, PANEL), np.nan, dtype)   # poisoned
+    c = np.full((rows, columns), np.nan, dtype)
+    spill = np.full((-(-rows // CHUNK), CHUNK, PANEL), np.nan, dtype)
+    pack_input_weights(ws, wpack)
+    project(a, wpack, c, spill)
+    want = a.astype(np.float64) @ np.concatenate(ws).astype(np.float64).T
+    scale = np.abs(a).astype(np.float64) @ np.abs(np.concatenate(ws)).astype(np.float64).T
+    assert np.isfinite(c).all()
+    assert np.max(np.abs(c - want) / scale) <= TOL[dtype]
+
+
+def test_pack_pads_past_the_last_row_with_zeros():
+    w = np.arange(3 * 5, dtype=np.float64).reshape(3, 5) + 1
+    out = np.full((1, 5, PANEL), np.nan)
+    pack_input_weights([w], out)
+    np.testing.assert_array_equal(out[0, :, :3], w.T)
+    np.testing.assert_array_equal(out[0, :, 3:], 0)
+
+
+def test_pack_refuses_a_too_small_buffer():
+    with pytest.raises(ValueError, match="cannot hold 17 rows"):
+        pack_input_weights([np.ones((17, 4))], np.empty((1, 4, PANEL)))
