@@ -78,7 +78,7 @@ class RecurrentOp:
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
         self.forward_step, self.backward_step = backend.cell_kernels(config.mode, dtype)
-        self.fused = backend.fused_layer(config, dtype)
+        self.fused = backend.fused_layer(config, dtype, batch)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         lstm, proj = config.cell.has_cell_state, bool(config.projection_size)
@@ -94,12 +94,8 @@ class RecurrentOp:
             "empty": (0, 0),
             "no_record": (0, 0, 0, 0),
         }
-        if self.fused is not None:
-            blocks = self.fused.blocks(H)
-            shapes["wpack"] = (blocks, config.cell.gates, H, self.fused.panel)
-            shapes["tiles"] = (blocks, N, self.fused.tile_width)
-            shapes["wx_panels"], shapes["spill"] = self.fused.project_shapes(
-                T * N, D * GH, max_in)
+        if self.fused is not None:   # wpack, tiles, wx_panels, spill: the backend's own
+            shapes.update(self.fused.forward_scratch(config, T, N))
         self.scratch, self.nbytes = _carve(self.xp, dtype, shapes)
         self.no_lengths = self.xp.empty(0, dtype="int64")
         self._backward_scratch = None
@@ -258,8 +254,8 @@ class RecurrentOp:
             hs[d, first] = h0[idx] if h0 is not None else 0
             if cfg.cell.has_cell_state:
                 cs[d, first] = c0[idx] if c0 is not None else 0
-            self.fused.pack(lay.view(params, layer, d, "W_h"), s.wpack)
-            self.fused.forward(xproj, d, s.wpack, lay.view(params, layer, d, "b_x"),
+            w_h = self.fused.pack(lay.view(params, layer, d, "W_h"), s.wpack)
+            self.fused.forward(xproj, d, w_h, lay.view(params, layer, d, "b_x"),
                                lay.view(params, layer, d, "b_h"), hs, cs, y,
                                s.no_record if saved is None else saved, s.tiles, lengths,
                                opts.clip_lo, opts.clip_hi, opts.clip_flags)
@@ -281,8 +277,8 @@ class RecurrentOp:
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
-                "wpack_rows": (self.fused.blocks(R), GH, self.fused.panel) if self.fused
-                else (0, 0, 0),
+                **(self.fused.backward_scratch(cfg, N) if self.fused
+                   else {"wpack_rows": (0,)}),
             })
             self.nbytes += nbytes
         return self._backward_scratch
@@ -396,9 +392,9 @@ class RecurrentOp:
         xp, T, N, GH = self.xp, self.T, self.N, self.config.gate_rows
         if zero_carry:
             b.dh_carry[...] = 0
-        self.fused.pack_rows(w_h, b.wpack_rows)
+        w_h_rows = self.fused.pack_rows(w_h, b.wpack_rows)
         split = self.config.cell.split_gate_grads
-        self.fused.backward(xp.ascontiguousarray(dy), d, b.wpack_rows, hs, cs, saved, dgx3,
+        self.fused.backward(xp.ascontiguousarray(dy), d, w_h_rows, hs, cs, saved, dgx3,
                             dgh3 if split else b.dgh.reshape(T, N, 0), b.dh_rec, b.dh_carry,
                             b.dc_carry, self.scratch.tiles,
                             self.no_lengths if opts.lengths is None else opts.lengths,

@@ -34,13 +34,13 @@ def fault(monkeypatch):
             kernel(*args)
         return launch
 
-    def wrapped_fused(config, dtype):
-        layer = real_fused(config, dtype)
+    def wrapped_fused(config, dtype, batch):
+        layer = real_fused(config, dtype, batch)
         if layer is None:
             return None
-        return SimpleNamespace(panel=layer.panel, tile_width=layer.tile_width,
-                               blocks=layer.blocks, pack=layer.pack, pack_rows=layer.pack_rows,
-                               project_shapes=layer.project_shapes, project=layer.project,
+        return SimpleNamespace(forward_scratch=layer.forward_scratch,
+                               backward_scratch=layer.backward_scratch, pack=layer.pack,
+                               pack_rows=layer.pack_rows, project=layer.project,
                                forward=wrap(layer.forward), backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer

@@ -22,9 +22,9 @@ class CpuBackend:
         return cell_kernels(mode, dtype)
 
     @staticmethod
-    def fused_layer(config, dtype):
+    def fused_layer(config, dtype, batch):
         """The whole-layer fused loop (fused.py) where it applies: every cell without
-        a projection. None sends the driver down the generic per-step path."""
+        a projection, any batch. None sends the driver down the generic per-step path."""
         if config.projection_size:
             return None
         return fused_layer(config.mode, dtype)

@@ -255,10 +255,6 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
 
-    panel = PANEL
-    tile_width = TILE_GROUPS * PANEL
-    blocks = staticmethod(panels)
-
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
@@ -271,10 +267,19 @@ class FusedLayer:
         return pack_recurrent(w_h, self.gates, out)
 
     @staticmethod
-    def project_shapes(rows, columns, max_inputs):
-        """Scratch for project(): the packed input weights (flat) and the spill tiles."""
-        return ((panels(columns) * max_inputs * PANEL,),
-                (-(-rows // CHUNK), CHUNK, PANEL))
+    def forward_scratch(config, steps, batch):
+        """Scratch shapes the op carves once: packed W_h, the per-block tiles, the packed
+        input weights of both directions (flat) and project()'s spill tiles."""
+        H, GH, D = config.state_size, config.gate_rows, config.directions
+        max_in = max(config.layer_input_size(layer) for layer in range(config.num_layers))
+        return {"wpack": (panels(H), config.cell.gates, H, PANEL),
+                "tiles": (panels(H), batch, TILE_GROUPS * PANEL),
+                "wx_panels": (panels(D * GH) * max_in * PANEL,),
+                "spill": (-(-steps * batch // CHUNK), CHUNK, PANEL)}
+
+    @staticmethod
+    def backward_scratch(config, batch):
+        return {"wpack_rows": (panels(config.recurrent_size), config.gate_rows, PANEL)}
 
     def project(self, x2d, w_xs, pack_scratch, out, spill):
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads

@@ -7,6 +7,7 @@ works without it. Everything runs on CuPy's current stream, on the device that h
 from __future__ import annotations
 
 from .kernels import cupy_cell_kernels
+from .persistent import cupy_persistent_layer
 
 __all__ = ["GpuBackend", "backend"]
 
@@ -21,9 +22,10 @@ class GpuBackend:
     def cell_kernels(self, mode, dtype):
         return cupy_cell_kernels(self.xp, mode, dtype)
 
-    @staticmethod
-    def fused_layer(config, dtype):
-        return None   # the persistent GPU kernel is issue 9's; every step runs the generic path
+    def fused_layer(self, config, dtype, batch):
+        """The persistent kernels (persistent.py: where they fit on chip, and only when
+        FUSEDRNN_GPU_PERSISTENT=1 until measured on a GPU), else None: per-step path."""
+        return cupy_persistent_layer(self.xp, config, dtype, batch)
 
     def is_array(self, value):
         return isinstance(value, self.xp.ndarray)

@@ -74,10 +74,6 @@ struct ForwardArgs {
   Mat<const T> h_prev, c_prev;
   Mat<T> h_next, c_next, y, saved;
   StepInfo step;
-  // The pre-activation of gate column `col`: both projections and both biases.
-  __host__ __device__ __forceinline__ T pre(idx_t n, idx_t col) const {
-    return gx(n, col) + bx[col] + gh(n, col) + bh[col];
-  }
 };
 
 template <typename T>
@@ -94,98 +90,131 @@ struct BackwardArgs {
   }
 };
 
-// ---- cells: each is only its pointwise math for one (sample n, unit j) ----
+// ---- cells: each is only its pointwise math for one (sample, unit) ----
+//
+// unit_forward(x, r, h_prev, c_prev, step, h, c, rec)
+//   x[g]  input side of gate g's pre-activation, W_x x + b_x;  r[g]  recurrent side,
+//         W_h h + b_h (kept apart: GRU's n gate scales it by r);  h_prev, c_prev the
+//         unit's previous state (0 where the cell has none). Writes the new h, c (LSTM;
+//         else 0) and the S-value training record rec[0..S-1].
+// unit_backward(dh, dc, rec, h_prev, c_prev, c_t, step, dx, dr, dh_carry, dc_carry)
+//   dh  all gradient reaching this step's h;  dc  what reaches its c from the next step.
+//   Writes dx[g], dr[g] (gradient of the input-side and recurrent-side pre-activation;
+//   equal but for GRU's n gate), dh_carry (reaches h_prev directly: GRU's z*dh, else 0)
+//   and dc_carry (reaches c_prev: LSTM's f*dc, else 0).
+// The CPU twins are fusedrnn/cpu/units.py; the same formulas in the same order.
 
 template <bool Relu>
 struct PlainCell {
   static constexpr int G = 1, S = 1;
   template <typename T>
-  __host__ __device__ static void forward(const ForwardArgs<T>& a, idx_t n, idx_t j, idx_t) {
-    T v = a.pre(n, j);
-    T h = Relu ? (v > T(0) ? v : T(0)) : tanh(v);
-    a.h_next(n, j) = h;
-    a.y(n, j) = h;
-    if (a.saved.ld) a.saved(n, j) = h;
+  __host__ __device__ static void unit_forward(const T* x, const T* r, T, T, const StepInfo&,
+                                               T& h, T& c, T* rec) {
+    T v = x[0] + r[0];
+    h = Relu ? (v < T(0) ? T(0) : v) : tanh(v);   // max(v, 0) that lets NaN through
+    c = T(0);
+    rec[0] = h;
   }
   template <typename T>
-  __host__ __device__ static void backward(const BackwardArgs<T>& a, idx_t n, idx_t j, idx_t) {
-    T h = a.saved(n, j);
-    T dh = a.dh(n, j);
-    a.dgx(n, j) = Relu ? (h > T(0) ? dh : T(0)) : dh * (T(1) - h * h);
-    if (a.dh_carry_out.ld) a.dh_carry_out(n, j) = T(0);
+  __host__ __device__ static void unit_backward(T dh, T, const T* rec, T, T, T, const StepInfo&,
+                                                T* dx, T* dr, T& dh_carry, T& dc_carry) {
+    T h = rec[0];
+    dx[0] = dr[0] = Relu ? (h > T(0) ? dh : T(0)) : dh * (T(1) - h * h);
+    dh_carry = dc_carry = T(0);
   }
 };
 typedef PlainCell<true> ReluCell;
 typedef PlainCell<false> TanhCell;
 
-struct LstmCell {  // gates [i, f, g, o]
+struct LstmCell {  // gates [i, f, g, o]; record [i, f, g, o]
   static constexpr int G = 4, S = 4;
   template <typename T>
-  __host__ __device__ static void forward(const ForwardArgs<T>& a, idx_t n, idx_t j, idx_t H) {
-    T i = sigmoid(a.pre(n, j)), f = sigmoid(a.pre(n, H + j));
-    T g = tanh(a.pre(n, 2 * H + j)), o = sigmoid(a.pre(n, 3 * H + j));
-    T c = a.step.clip(f * a.c_prev(n, j) + i * g);
-    T h = o * tanh(c);
-    a.c_next(n, j) = c;
-    a.h_next(n, j) = h;
-    a.y(n, j) = h;
-    if (a.saved.ld) {
-      a.saved(n, j) = i;
-      a.saved(n, H + j) = f;
-      a.saved(n, 2 * H + j) = g;
-      a.saved(n, 3 * H + j) = o;
-    }
+  __host__ __device__ static void unit_forward(const T* x, const T* r, T, T c_prev,
+                                               const StepInfo& step, T& h, T& c, T* rec) {
+    T i = sigmoid(x[0] + r[0]), f = sigmoid(x[1] + r[1]);
+    T g = tanh(x[2] + r[2]), o = sigmoid(x[3] + r[3]);
+    c = step.clip(f * c_prev + i * g);
+    h = o * tanh(c);
+    rec[0] = i, rec[1] = f, rec[2] = g, rec[3] = o;
   }
   template <typename T>
-  __host__ __device__ static void backward(const BackwardArgs<T>& a, idx_t n, idx_t j, idx_t H) {
-    T i = a.saved(n, j), f = a.saved(n, H + j), g = a.saved(n, 2 * H + j), o = a.saved(n, 3 * H + j);
-    T tc = tanh(a.c_t(n, j));
-    T dh = a.dh(n, j);
-    T dc = a.dc_carry_in(n, j) + dh * o * (T(1) - tc * tc);
+  __host__ __device__ static void unit_backward(T dh, T dc, const T* rec, T, T c_prev, T c_t,
+                                                const StepInfo& step, T* dx, T* dr,
+                                                T& dh_carry, T& dc_carry) {
+    T i = rec[0], f = rec[1], g = rec[2], o = rec[3];
+    T tc = tanh(c_t);
+    dc = dc + dh * o * (T(1) - tc * tc);
     // The clip's gradient: 0 where the update left [lo, hi] (recomputed pre-clip value).
-    dc *= a.step.unclipped(f * a.c_prev(n, j) + i * g);
-    a.dgx(n, j) = dc * g * i * (T(1) - i);
-    a.dgx(n, H + j) = dc * a.c_prev(n, j) * f * (T(1) - f);
-    a.dgx(n, 2 * H + j) = dc * i * (T(1) - g * g);
-    a.dgx(n, 3 * H + j) = dh * tc * o * (T(1) - o);
-    a.dc_carry_out(n, j) = dc * f;
-    if (a.dh_carry_out.ld) a.dh_carry_out(n, j) = T(0);
+    dc = dc * step.unclipped(f * c_prev + i * g);
+    dx[0] = dr[0] = dc * g * i * (T(1) - i);
+    dx[1] = dr[1] = dc * c_prev * f * (T(1) - f);
+    dx[2] = dr[2] = dc * i * (T(1) - g * g);
+    dx[3] = dr[3] = dh * tc * o * (T(1) - o);
+    dh_carry = T(0);
+    dc_carry = dc * f;
   }
 };
 
-struct GruCell {  // gates [r, z, n], "linear before reset": r scales W_hn h + b_hn
+struct GruCell {  // gates [r, z, n], "linear before reset"; record [r, z, n, W_hn h + b_hn]
   static constexpr int G = 3, S = 4;
   template <typename T>
-  __host__ __device__ static void forward(const ForwardArgs<T>& a, idx_t n, idx_t j, idx_t H) {
-    T r = sigmoid(a.pre(n, j)), z = sigmoid(a.pre(n, H + j));
-    T hn = a.gh(n, 2 * H + j) + a.bh[2 * H + j];
-    T nn = tanh(a.gx(n, 2 * H + j) + a.bx[2 * H + j] + r * hn);
-    T h = (T(1) - z) * nn + z * a.h_prev(n, j);
-    a.h_next(n, j) = h;
-    a.y(n, j) = h;
-    if (a.saved.ld) {
-      a.saved(n, j) = r;
-      a.saved(n, H + j) = z;
-      a.saved(n, 2 * H + j) = nn;
-      a.saved(n, 3 * H + j) = hn;
-    }
+  __host__ __device__ static void unit_forward(const T* x, const T* r, T h_prev, T,
+                                               const StepInfo&, T& h, T& c, T* rec) {
+    T rg = sigmoid(x[0] + r[0]), z = sigmoid(x[1] + r[1]);
+    T n = tanh(x[2] + rg * r[2]);
+    h = (T(1) - z) * n + z * h_prev;
+    c = T(0);
+    rec[0] = rg, rec[1] = z, rec[2] = n, rec[3] = r[2];
   }
   template <typename T>
-  __host__ __device__ static void backward(const BackwardArgs<T>& a, idx_t n, idx_t j, idx_t H) {
-    T r = a.saved(n, j), z = a.saved(n, H + j), nn = a.saved(n, 2 * H + j), hn = a.saved(n, 3 * H + j);
-    T dh = a.dh(n, j);
-    T dn = dh * (T(1) - z) * (T(1) - nn * nn);
-    T dr = dn * hn * r * (T(1) - r);
-    T dz = dh * (a.h_prev(n, j) - nn) * z * (T(1) - z);
-    a.dgx(n, j) = dr;
-    a.dgx(n, H + j) = dz;
-    a.dgx(n, 2 * H + j) = dn;
-    a.dgh(n, j) = dr;
-    a.dgh(n, H + j) = dz;
-    a.dgh(n, 2 * H + j) = dn * r;
-    a.dh_carry_out(n, j) = dh * z;
+  __host__ __device__ static void unit_backward(T dh, T, const T* rec, T h_prev, T, T,
+                                                const StepInfo&, T* dx, T* dr, T& dh_carry,
+                                                T& dc_carry) {
+    T r = rec[0], z = rec[1], n = rec[2], hn = rec[3];
+    T dn = dh * (T(1) - z) * (T(1) - n * n);
+    dx[0] = dr[0] = dn * hn * r * (T(1) - r);
+    dx[1] = dr[1] = dh * (h_prev - n) * z * (T(1) - z);
+    dx[2] = dn;
+    dr[2] = dn * r;
+    dh_carry = dh * z;
+    dc_carry = T(0);
   }
 };
+
+// ---- one (sample n, unit j) of a step through the per-step kernels' arguments ----
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ void forward_unit_at(const ForwardArgs<T>& a, idx_t n,
+                                                         idx_t j, idx_t H) {
+  T x[Cell::G], r[Cell::G], rec[Cell::S], h, c;
+  for (int g = 0; g < Cell::G; ++g) {
+    x[g] = a.gx(n, g * H + j) + a.bx[g * H + j];
+    r[g] = a.gh(n, g * H + j) + a.bh[g * H + j];
+  }
+  Cell::unit_forward(x, r, a.h_prev.ld ? a.h_prev(n, j) : T(0),
+                     a.c_prev.ld ? a.c_prev(n, j) : T(0), a.step, h, c, rec);
+  a.h_next(n, j) = h;
+  a.y(n, j) = h;
+  if (a.c_next.ld) a.c_next(n, j) = c;
+  if (a.saved.ld)
+    for (int s = 0; s < Cell::S; ++s) a.saved(n, s * H + j) = rec[s];
+}
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ void backward_unit_at(const BackwardArgs<T>& a, idx_t n,
+                                                          idx_t j, idx_t H) {
+  T rec[Cell::S], dx[Cell::G], dr[Cell::G], dh_carry, dc_carry;
+  for (int s = 0; s < Cell::S; ++s) rec[s] = a.saved(n, s * H + j);
+  Cell::unit_backward(a.dh(n, j), a.dc_carry_in.ld ? a.dc_carry_in(n, j) : T(0), rec,
+                      a.h_prev.ld ? a.h_prev(n, j) : T(0), a.c_prev.ld ? a.c_prev(n, j) : T(0),
+                      a.c_t.ld ? a.c_t(n, j) : T(0), a.step, dx, dr, dh_carry, dc_carry);
+  for (int g = 0; g < Cell::G; ++g) {
+    a.dgx(n, g * H + j) = dx[g];
+    if (a.dgh.ld) a.dgh(n, g * H + j) = dr[g];
+  }
+  if (a.dh_carry_out.ld) a.dh_carry_out(n, j) = dh_carry;
+  if (a.dc_carry_out.ld) a.dc_carry_out(n, j) = dc_carry;
+}
 
 // ---- an inactive step (past the sample's length) is the same for every cell ----
 
@@ -244,7 +273,7 @@ __host__ __device__ __forceinline__ void forward_element(idx_t k, FUSEDRNN_FORWA
                       {lengths, n_lengths, t, clip_lo, clip_hi, clip_flags}};
   (void)N;  // the caller bounds k < N*H
   idx_t n = k / H, j = k % H;
-  if (a.step.active(n)) Cell::forward(a, n, j, H);
+  if (a.step.active(n)) forward_unit_at<Cell, T>(a, n, j, H);
   else carry_state(a, n, j);
 }
 
@@ -257,7 +286,7 @@ __host__ __device__ __forceinline__ void backward_element(idx_t k, FUSEDRNN_BACK
                        {lengths, n_lengths, t, clip_lo, clip_hi, clip_flags}};
   (void)N;
   idx_t n = k / H, j = k % H;
-  if (a.step.active(n)) Cell::backward(a, n, j, H);
+  if (a.step.active(n)) backward_unit_at<Cell, T>(a, n, j, H);
   else carry_grads(a, Cell::G, n, j, H);
 }
 

@@ -16,8 +16,8 @@ import fusedrnn
 from conftest import MODES, make_case, rel_err
 from fusedrnn.config import CELLS
 from fusedrnn.cpu import CpuBackend
-from fusedrnn.cpu.fused import (FusedLayer, fused_layer, pack_recurrent, pack_recurrent_rows,
-                                panels)
+from fusedrnn.cpu.fused import (TILE_GROUPS, FusedLayer, fused_layer, pack_recurrent,
+                                pack_recurrent_rows, panels)
 from fusedrnn.cpu.microkernel import PANEL, pack_columns, pack_rows
 from fusedrnn.recurrence import NEXT, PREV
 from reference import cell as reference_cell
@@ -41,12 +41,12 @@ def fused_and_generic(monkeypatch, case, kw, heads=None, **options):
     on a freshly built op; checks the first really went through FusedLayer."""
     original, built = CpuBackend.fused_layer, []
 
-    def spy(config, dtype):
-        built.append(original(config, dtype))
+    def spy(config, dtype, batch):
+        built.append(original(config, dtype, batch))
         return built[-1]
 
     results = []
-    for choose in (spy, lambda config, dtype: None):
+    for choose in (spy, lambda config, dtype, batch: None):
         monkeypatch.setattr(CpuBackend, "fused_layer", staticmethod(choose))
         fusedrnn.clear_cache()
         if heads is None:   # forward only
@@ -171,7 +171,7 @@ def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, 
     y = np.full((T, N, D * H), np.nan, dtype)
     saved = np.full((D, T, N, spec.saved * H) if record else (0, 0, 0, 0), np.nan, dtype)
     wpack = np.full((panels(H), G, H, PANEL), np.nan, dtype)
-    tiles = np.full((panels(H), N, layer.tile_width), np.nan, dtype)
+    tiles = np.full((panels(H), N, TILE_GROUPS * PANEL), np.nan, dtype)
     steps = LENGTHS[:N] if lengths else np.empty(0, np.int64)
 
     layer.pack(w_h, wpack)

@@ -21,3 +21,62 @@ HOST_ENTRIES(lstm_float, LstmCell, float)
 HOST_ENTRIES(lstm_double, LstmCell, double)
 HOST_ENTRIES(gru_float, GruCell, float)
 HOST_ENTRIES(gru_double, GruCell, double)
+
+// ---- the persistent kernels (persistent.cuh), phase by phase ----
+// Entries take the device kernels' arguments after (blocks, threads); the grid barrier's
+// counter is unused here.
+// The device kernels run these phases with __syncthreads / grid.sync between; here the
+// barriers are loop boundaries: every block's weights are staged, then per step each
+// block stages its state (all threads) before any of its tasks run, and every block
+// finishes a step before any block starts the next.
+#include <vector>
+
+#include "persistent.cuh"
+
+template <typename Cell, typename T>
+void host_persistent_forward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
+  const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
+  std::vector<std::vector<T>> w_s(blocks, std::vector<T>(H * Cell::G * units));
+  std::vector<std::vector<T>> h_s(blocks, std::vector<T>(H * ldn));
+  for (idx_t b = 0; b < blocks; ++b)
+    for (idx_t tid = 0; tid < threads; ++tid)
+      forward_stage_weights<Cell, T>(p, w_s[b].data(), b, tid, threads);
+  for (idx_t step = 0; step < steps; ++step)
+    for (idx_t b = 0; b < blocks; ++b) {
+      for (idx_t tid = 0; tid < threads; ++tid) stage_state(p, h_s[b].data(), step, tid, threads);
+      for (idx_t tid = 0; tid < threads; ++tid)
+        forward_tasks<Cell, T>(p, w_s[b].data(), h_s[b].data(), b, tid, threads, step);
+    }
+}
+
+template <typename Cell, typename T>
+void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
+  const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
+  std::vector<std::vector<T>> w_s(blocks, std::vector<T>(Cell::G * H * units));
+  for (idx_t b = 0; b < blocks; ++b)
+    for (idx_t tid = 0; tid < threads; ++tid)
+      backward_stage_weights<Cell, T>(p, w_s[b].data(), b, tid, threads);
+  for (idx_t step = 0; step < steps; ++step)
+    for (idx_t b = 0; b < blocks; ++b)
+      for (idx_t tid = 0; tid < threads; ++tid)
+        backward_tasks<Cell, T>(p, w_s[b].data(), b, tid, threads, step);
+}
+
+#define PERSISTENT_ENTRIES(NAME, CELL, T)                                               \
+  extern "C" void persistent_forward_##NAME(idx_t blocks, idx_t threads, void*,       \
+                                            FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {   \
+    host_persistent_forward<CELL, T>(blocks, threads, FUSEDRNN_PERSISTENT_FORWARD_ARGS); \
+  }                                                                                     \
+  extern "C" void persistent_backward_##NAME(idx_t blocks, idx_t threads, void*,      \
+                                             FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) { \
+    host_persistent_backward<CELL, T>(blocks, threads, FUSEDRNN_PERSISTENT_BACKWARD_ARGS); \
+  }
+
+PERSISTENT_ENTRIES(rnn_relu_float, ReluCell, float)
+PERSISTENT_ENTRIES(rnn_relu_double, ReluCell, double)
+PERSISTENT_ENTRIES(rnn_tanh_float, TanhCell, float)
+PERSISTENT_ENTRIES(rnn_tanh_double, TanhCell, double)
+PERSISTENT_ENTRIES(lstm_float, LstmCell, float)
+PERSISTENT_ENTRIES(lstm_double, LstmCell, double)
+PERSISTENT_ENTRIES(gru_float, GruCell, float)
+PERSISTENT_ENTRIES(gru_double, GruCell, double)

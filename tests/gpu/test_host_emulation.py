@@ -5,78 +5,21 @@ backend's own argument packing and launch wrappers (fusedrnn.gpu.kernels.CellKer
 inside the shared recurrence: every mode x layers x directions x dtype must equal the
 CPU backend. What this cannot cover: the grid-stride loop of the __global__ kernels
 and CuPy itself (tests/gpu/test_parity.py, on a GPU)."""
-import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from conftest import MODES, POISONED_NUMPY, make_case, rel_err
+from conftest import MODES, make_case, rel_err
 from fusedrnn.config import RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels
-from fusedrnn.recurrence import CallOptions, RecurrentOp
+from fusedrnn.recurrence import CallOptions
+from host_backend import HostCudaBackend, build_harness
+from host_backend import run_training as _run
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("g++ not found: CI must build the CUDA cells for the host")
-        pytest.skip("g++ not found")
-    lib = tmp_path_factory.mktemp("harness") / "libcells_host.so"
-    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-                    "-I", str(kernels.SOURCE_PATH.parent),
-                    str(Path(__file__).with_name("host_harness.cpp")), "-o", str(lib)],
-                   check=True)
-    return ctypes.CDLL(str(lib))
-
-
-def _ctypes_launcher(function):
-    def launch(grid, block, args):
-        assert grid[0] == kernels.grid_size(int(args[-2]) * int(args[-1]))
-        function(*[ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
-                   else ctypes.c_double(a) if isinstance(a, np.floating)
-                   else ctypes.c_longlong(int(a)) for a in args])
-    return launch
-
-
-class HostCudaBackend:
-    """The CPU backend's arrays with the GPU backend's kernels, run on the host."""
-    name = "cuda-host-emulation"
-    xp = POISONED_NUMPY
-    random = staticmethod(CPU.random)
-
-    def __init__(self, lib):
-        self.lib = lib
-
-    @staticmethod
-    def fused_layer(config, dtype):
-        return None   # as the GPU backend: every step through the per-step kernels
-
-    def cell_kernels(self, mode, dtype):
-        suffix = f"{mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
-        k = kernels.CellKernels(mode, _ctypes_launcher(getattr(self.lib, f"forward_{suffix}")),
-                                _ctypes_launcher(getattr(self.lib, f"backward_{suffix}")))
-        return k.forward_step, k.backward_step
-
-
-def _run(backend, case, kw, heads, dtype, opts=CallOptions(), projection_size=None):
-    T, N, I = case["data"].shape
-    cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
-                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"],
-                    projection_size=projection_size)
-    op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
-    reserve = op.take_reserve()
-    inputs = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
-    outs = op.forward(*inputs, reserve)
-    grads = op.backward(reserve, *inputs, heads["dout"], heads["dhy"], heads["dcy"])
-    inference = op.forward(*inputs)
-    return [a for a in (*outs, *grads, *inference) if a is not None]
+    return build_harness(tmp_path_factory.mktemp("harness"))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -178,3 +178,59 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
     from reference import rnn_reference
     ref_out, _, _ = rnn_reference(**case, **kw, dropout_masks=masks)
     assert rel_err(cupy.asnumpy(first[0]), ref_out) <= 1e-12
+
+
+# ---- the persistent kernels (fusedrnn/gpu/persistent.cuh), selected explicitly ----
+
+@pytest.fixture
+def persistent_selected(monkeypatch):
+    """FUSEDRNN_GPU_PERSISTENT=1, and a record of which ops got a persistent layer."""
+    from fusedrnn.gpu import persistent
+    monkeypatch.setenv(persistent.ENV, "1")
+    chosen = []
+    real = persistent.cupy_persistent_layer
+
+    def spy(*args):
+        chosen.append(real(*args))
+        return chosen[-1]
+    monkeypatch.setattr(gpu, "cupy_persistent_layer", spy)
+    fusedrnn.clear_cache()
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_gpu_equals_cpu(persistent_selected, mode, L, D, dtype):
+    case, kw, heads = make_case(mode, T=7, N=5, I=6, H=9, L=L, D=D, dtype=dtype, seed=L * D)
+    _assert_gpu_equals_cpu(case, kw, heads, dtype)
+    assert persistent_selected and all(layer is not None for layer in persistent_selected)
+
+
+@pytest.mark.parametrize("mode, names", VALID[:5], ids=[f"{m}-{'+'.join(n)}" for m, n in VALID[:5]])
+def test_persistent_features_gpu_equals_cpu(persistent_selected, mode, names):
+    _assert_gpu_equals_cpu(*_with_features(mode, names, 2, np.float64), np.float64)
+    assert persistent_selected and all(layer is not None for layer in persistent_selected)
+
+
+def _boundary_sizes(gates, itemsize, batch):
+    """The largest H the rule runs persistent on this GPU, and the next one up."""
+    from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
+    limits = DeviceLimits.of_current_cupy_device(cupy)
+    fits = [h for h in range(16, 4096, 16) if persistent_plan(gates, h, batch, itemsize, limits)]
+    return max(fits), max(fits) + 16
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_persistent_at_the_selection_boundary(persistent_selected, mode):
+    """Sizes either side of the rule's edge: the largest persistent one and the first that
+    falls back to the per-step path both equal the CPU (float32, N=20)."""
+    gates = {"lstm": 4, "gru": 3}[mode]
+    for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False)):
+        persistent_selected.clear()
+        case, kw, heads = make_case(mode, T=5, N=20, I=8, H=H, L=1, D=2, dtype=np.float32,
+                                    seed=H)
+        _assert_gpu_equals_cpu(case, kw, heads, np.float32)
+        assert len(persistent_selected) == 1
+        assert (persistent_selected[0] is not None) == expect_persistent

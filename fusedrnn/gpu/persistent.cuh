@@ -1,0 +1,329 @@
+// Persistent recurrent kernels: one cooperative launch runs a layer-direction's whole
+// time loop, forward or backward (issue 9; host side: fusedrnn/gpu/persistent.py).
+//
+// Why: the per-step path launches a GEMM and a cell kernel per step, and cuDNN spends
+// about 35 us per step at T=300 N=20 H=800 on an H100, launch-bound. Here each block
+// owns U consecutive hidden units and keeps the matching slice of W_h in shared memory
+// for the whole sequence; per step it reads the previous state from L2, does its slice
+// of the recurrent product and the cell's pointwise math (cells.cuh, the same unit
+// functions as the per-step kernels), and the grid synchronises once (grid_barrier).
+//
+// Work split: block b owns units j = b*U .. min(H, b*U+U)-1; its tasks are the (u, n)
+// pairs, n fastest, strided over the block's threads; a task's thread does all G gates
+// of unit j for sample n, so the cell math needs no exchange. Lanes of a warp mostly
+// share u (W reads are shared-memory broadcasts) and differ in n (state reads hit
+// distinct banks: the staged state's row stride ldn is N made odd).
+//
+// Every kernel body below is written as __host__ __device__ phases (stage weights,
+// stage state, tasks) separated by barriers: the __global__ kernels run them with
+// __syncthreads / grid_barrier between, and tests/gpu/host_harness.cpp runs the same
+// phases block by block and thread by thread, the barriers becoming loop boundaries.
+//
+// Both kernels take first `barrier`, a zeroed unsigned 64-bit counter (device memory,
+// one per launch in flight), then the arguments below; T (the step count) is `steps`.
+//
+// persistent_forward<Cell, T>   (PERSISTENT_FORWARD_PARAMS; shared memory
+//                                (H*G*U + H*ldn) * sizeof(T))
+//   xproj  (T, N, ld_x)  in   W_x x_t; gate g of unit j at column x_col + g*H + j
+//   w_h    (G*H, H)      in   this direction's recurrent weights, row-major
+//   bx, bh (G*H)         in   biases
+//   hs     (T+1, N, H)   in/out  state sequence: row `first` (0 forward, T reversed) set
+//                             on entry, every other row written
+//   cs     (T+1, N, H)   in/out  the same for the LSTM cell state (has_cell), else unused
+//   y      (T, N, ld_y)  out  this direction's output at columns y_col .. y_col+H-1
+//   saved  (T, N, S*H)   out  training record (cells.cuh's rec) when has_record
+//   lengths (n_lengths)  in   per-sample lengths; n_lengths 0: every sample runs all T
+//   No output overlaps an input.
+//
+// persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory G*H*U*sizeof(T))
+//   dy     (T, N, ld_dy) in   output gradient; this direction at columns y_col..
+//   w_h, hs, cs, saved    in   as the training forward left them
+//   dgx    (T, N, ld_dg) out  d(input-side pre-activation) at columns col + g*H + j
+//   dgh    (T, N, ld_dg) out  d(recurrent-side pre-activation) when has_dgh (GRU)
+//   dh_rec0 (N, H)       in   gradient of the final state (dhy)
+//   dh_carry (N, H)      in/out  0 on entry; on exit what reaches h_0 bypassing W_h
+//   dc_carry (N, H)      in/out  dcy on entry, dc_0 on exit (has_cell)
+//   exchange (2, G*H, N) scratch: each step's recurrent-side gate gradients, transposed so
+//                        a warp reads them coalesced; two buffers alternate by step
+//   On exit dh_0 = dg_first @ W_h + dh_carry; the caller runs that last GEMM (as for the
+//   CPU's fused loop, fusedrnn/cpu/fused.py).
+#pragma once
+
+#include "cells.cuh"
+
+namespace fusedrnn {
+
+// A value another block wrote since the last grid barrier: read past the (incoherent)
+// L1 so the barrier's ordering is all that matters.
+template <typename T>
+__host__ __device__ __forceinline__ T load_shared_state(const T* p) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
+
+#define FUSEDRNN_PERSISTENT_COMMON_PARAMS                                                \
+  const idx_t *lengths, idx_t n_lengths, double clip_lo, double clip_hi, idx_t clip_flags, \
+      idx_t steps, idx_t N, idx_t H, idx_t units, idx_t ldn, idx_t reverse, idx_t has_cell
+#define FUSEDRNN_PERSISTENT_COMMON_ARGS                                                  \
+  lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell
+#define FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T_)                                           \
+  const T_ *xproj, idx_t ld_x, idx_t x_col, const T_ *w_h, const T_ *bx, const T_ *bh,    \
+      T_ *hs, T_ *cs, T_ *y, idx_t ld_y, idx_t y_col, T_ *saved, idx_t has_record,       \
+      FUSEDRNN_PERSISTENT_COMMON_PARAMS
+#define FUSEDRNN_PERSISTENT_FORWARD_ARGS                                                 \
+  xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,            \
+      FUSEDRNN_PERSISTENT_COMMON_ARGS
+#define FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T_)                                          \
+  const T_ *dy, idx_t ld_dy, idx_t y_col, const T_ *w_h, const T_ *hs, const T_ *cs,      \
+      const T_ *saved, T_ *dgx, T_ *dgh, idx_t ld_dg, idx_t col, idx_t has_dgh,           \
+      const T_ *dh_rec0, T_ *dh_carry, T_ *dc_carry, T_ *exchange,                        \
+      FUSEDRNN_PERSISTENT_COMMON_PARAMS
+#define FUSEDRNN_PERSISTENT_BACKWARD_ARGS                                                \
+  dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0, dh_carry, \
+      dc_carry, exchange, FUSEDRNN_PERSISTENT_COMMON_ARGS
+
+// The kernels' arguments gathered once (field order = parameter order), so each phase
+// takes one object.
+struct PersistentCommon {
+  const idx_t* lengths;
+  idx_t n_lengths;
+  double clip_lo, clip_hi;
+  idx_t clip_flags, steps, N, H, units, ldn, reverse, has_cell;
+  // Forward order step -> t (the backward walks the forward order back).
+  __host__ __device__ __forceinline__ idx_t forward_t(idx_t step) const {
+    return reverse ? steps - 1 - step : step;
+  }
+  __host__ __device__ __forceinline__ idx_t prev_row(idx_t t) const { return reverse ? t + 1 : t; }
+  __host__ __device__ __forceinline__ idx_t next_row(idx_t t) const { return reverse ? t : t + 1; }
+  __host__ __device__ __forceinline__ StepInfo info(idx_t t) const {
+    StepInfo s = {lengths, n_lengths, t, clip_lo, clip_hi, clip_flags};
+    return s;
+  }
+};
+
+template <typename T>
+struct PersistentForward {
+  const T *xproj;
+  idx_t ld_x, x_col;
+  const T *w_h, *bx, *bh;
+  T *hs, *cs, *y;
+  idx_t ld_y, y_col;
+  T* saved;
+  idx_t has_record;
+  PersistentCommon c;
+};
+
+template <typename T>
+struct PersistentBackward {
+  const T* dy;
+  idx_t ld_dy, y_col;
+  const T *w_h, *hs, *cs, *saved;
+  T *dgx, *dgh;
+  idx_t ld_dg, col, has_dgh;
+  const T* dh_rec0;
+  T *dh_carry, *dc_carry, *exchange;
+  PersistentCommon c;
+};
+
+#define FUSEDRNN_PERSISTENT_COMMON_INIT                                                   \
+  { lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell }
+#define FUSEDRNN_PERSISTENT_FORWARD_INIT                                                  \
+  { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,           \
+    FUSEDRNN_PERSISTENT_COMMON_INIT }
+#define FUSEDRNN_PERSISTENT_BACKWARD_INIT                                                 \
+  { dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0,         \
+    dh_carry, dc_carry, exchange, FUSEDRNN_PERSISTENT_COMMON_INIT }
+
+// ---- forward phases ----
+
+template <typename Cell, typename T>
+__host__ __device__ void forward_stage_weights(const PersistentForward<T>& p, T* w_s,
+                                               idx_t block, idx_t tid, idx_t threads) {
+  // w_s[(k*G + g)*U + u] = W_h[g*H + j, k]: the k loop below reads one row of G*U.
+  const idx_t G = Cell::G, H = p.c.H, U = p.c.units;
+  for (idx_t i = tid; i < G * U * H; i += threads) {   // k fastest: coalesced reads
+    idx_t k = i % H, gu = i / H, u = gu % U, g = gu / U, j = block * U + u;
+    w_s[(k * G + g) * U + u] = j < H ? p.w_h[(g * H + j) * H + k] : T(0);
+  }
+}
+
+template <typename T>
+__host__ __device__ void stage_state(const PersistentForward<T>& p, T* h_s, idx_t step,
+                                     idx_t tid, idx_t threads) {
+  // h_s[k*ldn + n] = h_prev[n, k]: transposed so sample n is the fast index.
+  const idx_t N = p.c.N, H = p.c.H;
+  const T* rows = p.hs + p.c.prev_row(p.c.forward_t(step)) * N * H;
+  for (idx_t i = tid; i < N * H; i += threads)
+    h_s[(i % H) * p.c.ldn + i / H] = load_shared_state(rows + i);
+}
+
+template <typename Cell, typename T>
+__host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w_s,
+                                       const T* h_s, idx_t block, idx_t tid, idx_t threads,
+                                       idx_t step) {
+  const int G = Cell::G, S = Cell::S;
+  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, ldn = p.c.ldn;
+  const idx_t t = p.c.forward_t(step);
+  const T* h_prev = p.hs + p.c.prev_row(t) * N * H;
+  T* h_next = p.hs + p.c.next_row(t) * N * H;
+  const T* c_prev = p.cs + p.c.prev_row(t) * N * H;
+  T* c_next = p.cs + p.c.next_row(t) * N * H;
+  const StepInfo info = p.c.info(t);
+  for (idx_t task = tid; task < U * N; task += threads) {
+    const idx_t u = task / N, n = task % N, j = block * U + u;
+    if (j >= H) continue;
+    const idx_t nj = n * H + j, row = t * N + n;
+    if (!info.active(n)) {   // past this sample's length: carry the state, output 0
+      h_next[nj] = h_prev[nj];
+      p.y[row * p.ld_y + p.y_col + j] = T(0);
+      if (p.c.has_cell) c_next[nj] = c_prev[nj];
+      continue;
+    }
+    T acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = T(0);
+    for (idx_t k = 0; k < H; ++k) {
+      const T hk = h_s[k * ldn + n];
+      const T* w = w_s + k * G * U + u;
+      for (int g = 0; g < G; ++g) acc[g] += w[g * U] * hk;
+    }
+    T x[G], r[G], rec[S], h, c;
+    for (int g = 0; g < G; ++g) {
+      x[g] = p.xproj[row * p.ld_x + p.x_col + g * H + j] + p.bx[g * H + j];
+      r[g] = acc[g] + p.bh[g * H + j];
+    }
+    // h_prev[nj] was written by this same task one step earlier: no barrier needed.
+    Cell::unit_forward(x, r, h_prev[nj], p.c.has_cell ? c_prev[nj] : T(0), info, h, c, rec);
+    h_next[nj] = h;
+    p.y[row * p.ld_y + p.y_col + j] = h;
+    if (p.c.has_cell) c_next[nj] = c;
+    if (p.has_record)
+      for (int s = 0; s < S; ++s) p.saved[row * S * H + s * H + j] = rec[s];
+  }
+}
+
+// ---- backward phases ----
+
+template <typename Cell, typename T>
+__host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, T* w_s,
+                                                idx_t block, idx_t tid, idx_t threads) {
+  // w_s[r*U + u] = W_h[r, j]: column j of W_h, the weights from h_j to every gate row r.
+  const idx_t H = p.c.H, U = p.c.units;
+  for (idx_t i = tid; i < Cell::G * H * U; i += threads) {
+    idx_t r = i / U, u = i % U, j = block * U + u;
+    w_s[i] = j < H ? p.w_h[r * H + j] : T(0);
+  }
+}
+
+template <typename Cell, typename T>
+__host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* w_s,
+                                        idx_t block, idx_t tid, idx_t threads, idx_t step) {
+  const int G = Cell::G, S = Cell::S;
+  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, GH = G * H;
+  const idx_t t = p.c.forward_t(p.c.steps - 1 - step);
+  const T* later = p.exchange + ((step + 1) % 2) * GH * N;   // written in the previous step
+  T* current = p.exchange + (step % 2) * GH * N;
+  const StepInfo info = p.c.info(t);
+  for (idx_t task = tid; task < U * N; task += threads) {
+    const idx_t u = task / N, n = task % N, j = block * U + u;
+    if (j >= H) continue;
+    const idx_t nj = n * H + j, row = t * N + n;
+    T dh_rec = T(0);
+    if (step == 0) {
+      dh_rec = p.dh_rec0[nj];
+    } else {
+      for (idx_t r = 0; r < GH; ++r)
+        dh_rec += load_shared_state(later + r * N + n) * w_s[r * U + u];
+    }
+    T* dgx = p.dgx + row * p.ld_dg + p.col + j;
+    T* dgh = p.dgh + row * p.ld_dg + p.col + j;
+    if (!info.active(n)) {   // no gate gradient; dh and dc pass on to the step before
+      for (int g = 0; g < G; ++g) {
+        dgx[g * H] = T(0);
+        if (p.has_dgh) dgh[g * H] = T(0);
+        current[(g * H + j) * N + n] = T(0);
+      }
+      p.dh_carry[nj] += dh_rec;
+      continue;
+    }
+    T rec[S], dx[G], dr[G], dh_c, dc_c;
+    for (int s = 0; s < S; ++s) rec[s] = p.saved[row * S * H + s * H + j];
+    const T* h_prev = p.hs + p.c.prev_row(t) * N * H;
+    const T* c_prev = p.cs + p.c.prev_row(t) * N * H;
+    const T* c_t = p.cs + p.c.next_row(t) * N * H;
+    const bool has_cell = p.c.has_cell;
+    Cell::unit_backward(p.dy[row * p.ld_dy + p.y_col + j] + dh_rec + p.dh_carry[nj],
+                        has_cell ? p.dc_carry[nj] : T(0), rec, h_prev[nj],
+                        has_cell ? c_prev[nj] : T(0), has_cell ? c_t[nj] : T(0), info, dx, dr,
+                        dh_c, dc_c);
+    for (int g = 0; g < G; ++g) {
+      dgx[g * H] = dx[g];
+      if (p.has_dgh) dgh[g * H] = dr[g];
+      current[(g * H + j) * N + n] = dr[g];
+    }
+    p.dh_carry[nj] = dh_c;
+    if (has_cell) p.dc_carry[nj] = dc_c;
+  }
+}
+
+#ifdef __CUDACC__
+// A grid-wide barrier on one 64-bit counter (zeroed by the host before each launch;
+// `arrivals` counts this block's barriers so far). The launch is cooperative, so every
+// block is resident and the spin cannot deadlock. Our own rather than
+// cooperative_groups::grid_group::sync(): CUDA 13's cooperative_groups.h needs C++17 and
+// a toolkit include path that CuPy's NVRTC builds may not have; the pattern is the same
+// (block barrier, one thread fences and arrives, spins until all have, fences again).
+__device__ __forceinline__ void grid_barrier(unsigned long long* counter,
+                                             unsigned long long& arrivals) {
+  __syncthreads();
+  arrivals += 1;
+  if (threadIdx.x == 0) {
+    __threadfence();   // this block's writes are visible before it arrives
+    atomicAdd(counter, 1ULL);
+    const unsigned long long target = arrivals * gridDim.x;
+    while (*reinterpret_cast<volatile unsigned long long*>(counter) < target) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// At most one block per SM (the host checks co-residency): __launch_bounds__ lets the
+// compiler spend up to 128 registers per thread at 512 threads.
+extern __shared__ double persistent_smem[];   // double: aligned for either T
+
+template <typename Cell, typename T>
+__global__ void __launch_bounds__(512) persistent_forward(unsigned long long* barrier,
+                                                          FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
+  const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
+  unsigned long long arrivals = 0;
+  T* w_s = reinterpret_cast<T*>(persistent_smem);
+  T* h_s = w_s + H * Cell::G * units;
+  forward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
+  for (idx_t step = 0; step < steps; ++step) {
+    stage_state(p, h_s, step, threadIdx.x, blockDim.x);
+    __syncthreads();
+    forward_tasks<Cell, T>(p, w_s, h_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    grid_barrier(barrier, arrivals);   // every block's h_t is written before anyone stages it
+  }
+}
+
+template <typename Cell, typename T>
+__global__ void __launch_bounds__(512) persistent_backward(unsigned long long* barrier,
+                                                           FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
+  const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
+  unsigned long long arrivals = 0;
+  T* w_s = reinterpret_cast<T*>(persistent_smem);
+  backward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
+  __syncthreads();
+  for (idx_t step = 0; step < steps; ++step) {
+    backward_tasks<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    grid_barrier(barrier, arrivals);   // every block's gate gradients are in `exchange`
+  }
+}
+#endif
+
+}  // namespace fusedrnn

@@ -1,0 +1,222 @@
+"""The persistent recurrent kernels' host side (persistent.cuh): the plan and the rule
+that selects it, argument packing, and the layer object the shared driver calls.
+
+Like kernels.py this needs no CuPy: launching takes a `launch(grid, block, args,
+shared_mem)` callable, a cooperative CuPy RawKernel on a GPU and a host build of the
+same source in tests/gpu.
+
+Selection rule (persistent_plan): a layer runs persistent when one block per SM holds
+its slice of W_h and the staged state in shared memory (forward: (H*G*U + H*ldn) values,
+backward: G*H*U values, U = ceil(H / SMs) units per block), so the grid is co-resident
+and can synchronise. Measurement behind it: none yet. No GPU was lent to the session
+that wrote this kernel, so it has never run on one, and the crossover against the
+per-step GEMM path (large N, where cuBLAS's per-step GEMM is efficient) is unknown.
+Until the GPU parity suite (tests/gpu/test_parity.py) passes with it and the benchmark
+places that crossover, the persistent path is opt-in: FUSEDRNN_GPU_PERSISTENT=1.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import CELLS
+from .kernels import C_TYPES, CELL_TYPES
+
+__all__ = ["SOURCE_PATH", "MAX_THREADS", "DeviceLimits", "PersistentPlan", "persistent_plan",
+           "persistent_enabled", "kernel_names", "all_kernel_names", "forward_args",
+           "backward_args", "PersistentLayer", "cupy_persistent_layer"]
+
+SOURCE_PATH = Path(__file__).with_name("persistent.cuh")
+MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
+ENV = "FUSEDRNN_GPU_PERSISTENT"
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    sm_count: int
+    smem_per_block: int   # the opt-in maximum of dynamic shared memory per block, bytes
+
+    @classmethod
+    def of_current_cupy_device(cls, cupy):
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        return cls(int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"]))
+
+
+@dataclass(frozen=True)
+class PersistentPlan:
+    blocks: int          # grid size: at most one block per SM
+    units: int           # hidden units per block
+    threads: int         # per block, a multiple of 32
+    ldn: int             # staged row stride: N made odd (no shared-memory bank conflicts)
+    forward_smem: int    # bytes of dynamic shared memory per block
+    backward_smem: int
+
+
+def persistent_plan(gates, hidden, batch, itemsize, limits):
+    """The launch shape for one layer, or None where it does not fit on chip."""
+    units = -(-hidden // limits.sm_count)
+    blocks = -(-hidden // units)
+    ldn = batch | 1
+    forward_smem = (hidden * gates * units + hidden * ldn) * itemsize
+    backward_smem = gates * hidden * units * itemsize
+    if max(forward_smem, backward_smem) > limits.smem_per_block:
+        return None
+    threads = min(MAX_THREADS, max(64, -(-units * batch // 32) * 32))
+    return PersistentPlan(blocks, units, threads, ldn, forward_smem, backward_smem)
+
+
+def persistent_enabled():
+    return os.environ.get(ENV, "0") == "1"
+
+
+def kernel_names(mode, dtype):
+    """C++ names of (persistent_forward, persistent_backward) for one cell and dtype."""
+    args = f"{CELL_TYPES[mode]}, {C_TYPES[np.dtype(dtype)]}"
+    return (f"fusedrnn::persistent_forward<{args}>",
+            f"fusedrnn::persistent_backward<{args}>")
+
+
+def all_kernel_names():
+    return [name for mode in CELL_TYPES for dtype in C_TYPES for name in kernel_names(mode, dtype)]
+
+
+def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d, has_cell):
+    i = np.int64
+    return (lengths, i(lengths.size), np.float64(clip_lo), np.float64(clip_hi), i(clip_flags),
+            i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell))
+
+
+def forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths, clip_lo,
+                 clip_hi, clip_flags):
+    """persistent_forward's argument list for direction d, from FusedLayer.forward's
+    arrays (fusedrnn/cpu/fused.py documents them; w_h is the (G*H, H) weight itself)."""
+    T, N, H = xproj.shape[0], xproj.shape[1], hs.shape[3]
+    i = np.int64
+    has_cell, record = cs.shape[3] != 0, saved.shape[0] != 0
+    return (xproj, i(xproj.shape[2]), i(d * gates * H), w_h, bx, bh, hs[d],
+            cs[d] if has_cell else cs, y, i(y.shape[2]), i(d * H),
+            saved[d] if record else saved, i(record),
+            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
+
+
+def backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
+                  dc_carry, exchange, lengths, clip_lo, clip_hi, clip_flags):
+    """persistent_backward's argument list for direction d (FusedLayer.backward's arrays;
+    exchange (2, G*H, N) scratch)."""
+    T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
+    i = np.int64
+    has_cell = cs.shape[3] != 0
+    return (dy, i(dy.shape[2]), i(d * H), w_h, hs[d], cs[d] if has_cell else cs, saved[d],
+            dgx, dgh, i(dgx.shape[2]), i(d * gates * H), i(dgh.shape[2] != 0), dh_rec0,
+            dh_carry, dc_carry, exchange,
+            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
+
+
+class PersistentLayer:
+    """The driver's fused-layer interface (as fusedrnn/cpu/fused.py's FusedLayer) over the
+    persistent kernels: the input projection stays one GEMM per layer, W_h is read in
+    place (each block stages its own slice), and each direction is one launch."""
+
+    def __init__(self, mode, plan, xp, launch_forward, launch_backward):
+        self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
+        self._launch_forward, self._launch_backward = launch_forward, launch_backward
+        self._barrier = xp.zeros(1, dtype=np.uint64)   # grid_barrier's counter
+
+    @staticmethod
+    def forward_scratch(config, steps, batch):
+        D, GH = config.directions, config.gate_rows
+        max_in = max(config.layer_input_size(layer) for layer in range(config.num_layers))
+        return {"wpack": (0,), "tiles": (2, GH, batch),   # tiles: the backward's exchange
+                "wx_panels": (D * GH * max_in if D > 1 else 0,), "spill": (0,)}
+
+    @staticmethod
+    def backward_scratch(config, batch):
+        return {"wpack_rows": (0,)}
+
+    @staticmethod
+    def pack(w_h, out):
+        return w_h
+
+    pack_rows = pack
+
+    def project(self, x2d, w_xs, pack_scratch, out, spill):
+        """out = x2d @ [W_x of each direction]^T: one cuBLAS GEMM."""
+        if len(w_xs) == 1:
+            w = w_xs[0]
+        else:
+            rows = sum(w.shape[0] for w in w_xs)
+            w = pack_scratch[:rows * x2d.shape[1]].reshape(rows, x2d.shape[1])
+            r = 0
+            for part in w_xs:
+                w[r:r + part.shape[0]] = part
+                r += part.shape[0]
+        self.xp.matmul(x2d, w.T, out=out)
+
+    def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, tiles, lengths, clip_lo,
+                clip_hi, clip_flags):
+        args = forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs, y, saved,
+                            lengths, clip_lo, clip_hi, clip_flags)
+        self._barrier.fill(0)
+        self._launch_forward((self.plan.blocks,), (self.plan.threads,),
+                             (self._barrier, *args), self.plan.forward_smem)
+
+    def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
+                 tiles, lengths, clip_lo, clip_hi, clip_flags):
+        args = backward_args(self.gates, self.plan, dy, d, w_h, hs, cs, saved, dgx, dgh,
+                             dh_rec0, dh_carry, dc_carry, tiles, lengths, clip_lo, clip_hi,
+                             clip_flags)
+        self._barrier.fill(0)
+        self._launch_backward((self.plan.blocks,), (self.plan.threads,),
+                              (self._barrier, *args), self.plan.backward_smem)
+
+
+_module = None
+_module_lock = threading.Lock()
+
+
+def _cupy_module(cupy):
+    global _module
+    with _module_lock:
+        if _module is None:
+            _module = cupy.RawModule(
+                code=SOURCE_PATH.read_text(), options=("--std=c++14", f"-I{SOURCE_PATH.parent}"),
+                name_expressions=all_kernel_names(), enable_cooperative_groups=True)
+        return _module
+
+
+def _cupy_launcher(cupy, function, plan, shared_mem, sm_count):
+    """A launcher for `function`, or None where the grid would not be co-resident (CuPy
+    would shrink a cooperative grid with a warning; our blocks each own fixed units)."""
+    if function.max_dynamic_shared_size_bytes < shared_mem:
+        function.max_dynamic_shared_size_bytes = shared_mem
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function.kernel.ptr, plan.threads, shared_mem)
+    if per_sm * sm_count < plan.blocks:
+        return None
+
+    def launch(grid, block, args, shared_mem):
+        function(grid, block, args, shared_mem=shared_mem)
+    return launch
+
+
+def cupy_persistent_layer(cupy, config, dtype, batch):
+    """The persistent layer for this op on the current device, or None where the rule
+    (module docstring) sends it down the per-step path."""
+    if not persistent_enabled() or config.projection_size:
+        return None
+    limits = DeviceLimits.of_current_cupy_device(cupy)
+    plan = persistent_plan(config.cell.gates, config.state_size, batch,
+                           np.dtype(dtype).itemsize, limits)
+    if plan is None:
+        return None
+    forward, backward = (_cupy_module(cupy).get_function(name)
+                         for name in kernel_names(config.mode, dtype))
+    launch_forward = _cupy_launcher(cupy, forward, plan, plan.forward_smem, limits.sm_count)
+    launch_backward = _cupy_launcher(cupy, backward, plan, plan.backward_smem, limits.sm_count)
+    if launch_forward is None or launch_backward is None:
+        return None
+    return PersistentLayer(config.mode, plan, cupy, launch_forward, launch_backward)

@@ -1,0 +1,106 @@
+"""The GPU backend's kernels built for the host (g++, host_harness.cpp) and wrapped as a
+backend the shared recurrence can drive: the CPU backend's arrays, the GPU backend's
+argument packing and launch wrappers. Used by test_host_emulation and test_persistent."""
+import ctypes
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import POISONED_NUMPY
+from fusedrnn.config import RNNConfig
+from fusedrnn.cpu import BACKEND as CPU
+from fusedrnn.gpu import kernels, persistent
+from fusedrnn.recurrence import CallOptions, RecurrentOp
+
+
+def build_harness(tmp_dir):
+    """ctypes handle on host_harness.cpp built as a shared library."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("g++ not found: CI must build the CUDA kernels for the host")
+        pytest.skip("g++ not found")
+    lib = Path(tmp_dir) / "libcells_host.so"
+    subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+                    "-I", str(kernels.SOURCE_PATH.parent),
+                    str(Path(__file__).with_name("host_harness.cpp")), "-o", str(lib)],
+                   check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _c_args(args):
+    return [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
+            else ctypes.c_double(a) if isinstance(a, np.floating)
+            else ctypes.c_longlong(int(a)) for a in args]
+
+
+def _cell_launcher(function):
+    def launch(grid, block, args):
+        assert grid[0] == kernels.grid_size(int(args[-2]) * int(args[-1]))
+        function(*_c_args(args))
+    return launch
+
+
+def _persistent_launcher(function, launches):
+    def launch(grid, block, args, shared_mem):
+        launches.append((grid, block, shared_mem))
+        function(ctypes.c_longlong(grid[0]), ctypes.c_longlong(block[0]), *_c_args(args))
+    return launch
+
+
+class HostCudaBackend:
+    """The CPU backend's arrays with the GPU backend's kernels, run on the host.
+
+    persistent: None runs every step through the per-step kernels (as the GPU backend
+    does by default); a fusedrnn.gpu.persistent.DeviceLimits runs layers that fit through
+    the persistent kernels, planned for that device; `threads` overrides the plan's
+    threads per block (fewer threads than tasks exercises the kernels' striding)."""
+    name = "cuda-host-emulation"
+    xp = POISONED_NUMPY
+    random = staticmethod(CPU.random)
+
+    def __init__(self, lib, persistent=None, threads=None):
+        self.lib, self.limits, self.threads = lib, persistent, threads
+        self.launches = []
+
+    def fused_layer(self, config, dtype, batch):
+        if self.limits is None or config.projection_size:
+            return None
+        plan = persistent.persistent_plan(config.cell.gates, config.state_size, batch,
+                                          np.dtype(dtype).itemsize, self.limits)
+        if plan is None:
+            return None
+        if self.threads:
+            plan = replace(plan, threads=self.threads)
+        suffix = f"{config.mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
+        return persistent.PersistentLayer(
+            config.mode, plan, self.xp,
+            _persistent_launcher(getattr(self.lib, f"persistent_forward_{suffix}"), self.launches),
+            _persistent_launcher(getattr(self.lib, f"persistent_backward_{suffix}"), self.launches))
+
+    def cell_kernels(self, mode, dtype):
+        suffix = f"{mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
+        k = kernels.CellKernels(mode, _cell_launcher(getattr(self.lib, f"forward_{suffix}")),
+                                _cell_launcher(getattr(self.lib, f"backward_{suffix}")))
+        return k.forward_step, k.backward_step
+
+
+def run_training(backend, case, kw, heads, dtype, opts=CallOptions(), projection_size=None):
+    """A training forward, its backward and an inference forward on one fresh op: every
+    output and gradient, in order."""
+    T, N, I = case["data"].shape
+    cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
+                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"],
+                    projection_size=projection_size)
+    op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
+    reserve = op.take_reserve()
+    inputs = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
+    outs = op.forward(*inputs, reserve)
+    grads = op.backward(reserve, *inputs, heads["dout"], heads["dhy"], heads["dcy"])
+    inference = op.forward(*inputs)
+    return [a for a in (*outs, *grads, *inference) if a is not None]

@@ -1,0 +1,112 @@
+"""The persistent kernels (fusedrnn/gpu/persistent.cuh) without a GPU: built for the host
+and run phase by phase (host_harness.cpp) through the GPU backend's own plan, argument
+packing and layer object, inside the shared recurrence; every result must equal the CPU
+backend. Also the selection rule. What this cannot cover: real concurrency (the
+barriers are loop boundaries here), shared-memory capacity and speed; those need
+tests/gpu/test_parity.py on a GPU with FUSEDRNN_GPU_PERSISTENT=1."""
+import numpy as np
+import pytest
+
+from conftest import MODES, make_case, rel_err
+from fusedrnn.cpu import BACKEND as CPU
+from fusedrnn.gpu import persistent
+from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
+from fusedrnn.recurrence import CallOptions
+from host_backend import HostCudaBackend, build_harness, run_training
+
+H100 = DeviceLimits(sm_count=132, smem_per_block=227 * 1024)
+# Small "devices" that split H=9 units unevenly over blocks (last block partly idle).
+TWO_SMS, FOUR_SMS = DeviceLimits(2, 1 << 20), DeviceLimits(4, 1 << 20)
+LENGTHS = CallOptions(lengths=np.array([7, 1, 4, 7, 0][:5], np.int64))
+CLIPPED = dict(clip_lo=-0.3, clip_hi=0.25, clip_flags=3)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return build_harness(tmp_path_factory.mktemp("harness"))
+
+
+def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, threads=None):
+    backend = HostCudaBackend(harness, persistent=limits, threads=threads)
+    got = run_training(backend, case, kw, heads, dtype, opts)
+    want = run_training(CPU, case, kw, heads, dtype, opts)
+    # Every layer and direction went through the persistent kernels: forward twice
+    # (training, inference) and backward once.
+    assert len(backend.launches) == 3 * kw["num_layers"] * (2 if kw["bidirectional"] else 1)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_equals_cpu_backend(harness, mode, L, D, dtype):
+    case, kw, heads = make_case(mode, T=6, N=5, I=4, H=9, L=L, D=D, dtype=dtype, seed=L + D)
+    _check(harness, case, kw, heads, dtype)
+
+
+@pytest.mark.parametrize("limits, threads", [(FOUR_SMS, None), (TWO_SMS, 4), (DeviceLimits(1, 1 << 20), 7)],
+                         ids=["4-blocks", "4-threads", "1-block-7-threads"])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_any_split_of_units_and_threads(harness, mode, limits, threads):
+    case, kw, heads = make_case(mode, T=4, N=5, I=3, H=9, L=2, D=2, seed=11)
+    _check(harness, case, kw, heads, np.float64, limits=limits, threads=threads)
+
+
+@pytest.mark.parametrize("D", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_with_lengths(harness, mode, D):
+    case, kw, heads = make_case(mode, T=7, N=5, I=4, H=9, L=2, D=D, seed=D)
+    _check(harness, case, kw, heads, np.float64, LENGTHS)
+
+
+@pytest.mark.parametrize("options", [CallOptions(**CLIPPED),
+                                     CallOptions(lengths=LENGTHS.lengths, **CLIPPED)],
+                         ids=["clip", "clip+lengths"])
+def test_persistent_lstm_clip(harness, options):
+    case, kw, heads = make_case("lstm", T=7, N=5, I=4, H=9, L=2, D=2, seed=4)
+    _check(harness, case, kw, heads, np.float64, options)
+
+
+def test_plan_for_the_design_doc_lstm_on_an_h100():
+    plan = persistent_plan(4, 800, 20, 4, H100)
+    assert (plan.units, plan.blocks, plan.ldn, plan.threads) == (7, 115, 21, 160)
+    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21) * 4 == 156800
+    assert plan.backward_smem == 4 * 800 * 7 * 4
+
+
+def test_plan_refuses_what_does_not_fit_on_chip():
+    assert persistent_plan(4, 800, 20, 8, H100) is None           # float64 LSTM H=800
+    assert persistent_plan(1, 256, 1024, 4, H100) is None         # staged state too large
+    assert persistent_plan(3, 512, 64, 4, H100) is not None       # the GRU decoder step
+    assert persistent_plan(4, 1024, 1, 4, H100) is not None       # 8 units x 4 gates x 1024
+    assert persistent_plan(4, 2048, 1, 4, H100) is None           # W_h alone is 64 MB
+
+
+def test_plan_blocks_cover_every_unit_once():
+    for hidden in (1, 5, 131, 132, 133, 800, 2048):
+        plan = persistent_plan(1, hidden, 3, 4, H100)
+        assert plan.blocks <= H100.sm_count
+        assert (plan.blocks - 1) * plan.units < hidden <= plan.blocks * plan.units
+        assert plan.threads % 32 == 0 and 64 <= plan.threads <= persistent.MAX_THREADS
+
+
+def test_persistent_is_opt_in(monkeypatch):
+    """Off unless FUSEDRNN_GPU_PERSISTENT=1 (never measured on a GPU yet): the GPU backend
+    then keeps the per-step path without touching CuPy."""
+    from fusedrnn.config import RNNConfig
+    monkeypatch.delenv(persistent.ENV, raising=False)
+    assert persistent.cupy_persistent_layer(None, RNNConfig("lstm", 4, 9, 1, False), np.float32, 5) is None
+    monkeypatch.setenv(persistent.ENV, "0")
+    assert not persistent.persistent_enabled()
+    monkeypatch.setenv(persistent.ENV, "1")
+    assert persistent.persistent_enabled()
+
+
+def test_kernel_names_cover_every_mode_and_dtype():
+    names = persistent.all_kernel_names()
+    assert len(set(names)) == 16
+    assert "fusedrnn::persistent_backward<fusedrnn::GruCell, double>" in names
