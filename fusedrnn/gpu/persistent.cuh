@@ -35,7 +35,8 @@
 //   lengths (n_lengths)  in   per-sample lengths; n_lengths 0: every sample runs all T
 //   No output overlaps an input.
 //
-// persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory G*H*U*sizeof(T))
+// persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory
+//                                (G*H*U + chunk*ldn + U*N) * sizeof(T))
 //   dy     (T, N, ld_dy) in   output gradient; this direction at columns y_col..
 //   w_h, hs, cs, saved    in   as the training forward left them
 //   dgx    (T, N, ld_dg) out  d(input-side pre-activation) at columns col + g*H + j
@@ -44,7 +45,8 @@
 //   dh_carry (N, H)      in/out  0 on entry; on exit what reaches h_0 bypassing W_h
 //   dc_carry (N, H)      in/out  dcy on entry, dc_0 on exit (has_cell)
 //   exchange (2, G*H, N) scratch: each step's recurrent-side gate gradients, transposed so
-//                        a warp reads them coalesced; two buffers alternate by step
+//                        a block stages them coalesced; two buffers alternate by step
+//   chunk                rows of exchange staged in shared memory at a time (>= 1)
 //   On exit dh_0 = dg_first @ W_h + dh_carry; the caller runs that last GEMM (as for the
 //   CPU's fused loop, fusedrnn/cpu/fused.py).
 #pragma once
@@ -80,11 +82,11 @@ __host__ __device__ __forceinline__ T load_shared_state(const T* p) {
 #define FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T_)                                          \
   const T_ *dy, idx_t ld_dy, idx_t y_col, const T_ *w_h, const T_ *hs, const T_ *cs,      \
       const T_ *saved, T_ *dgx, T_ *dgh, idx_t ld_dg, idx_t col, idx_t has_dgh,           \
-      const T_ *dh_rec0, T_ *dh_carry, T_ *dc_carry, T_ *exchange,                        \
+      const T_ *dh_rec0, T_ *dh_carry, T_ *dc_carry, T_ *exchange, idx_t chunk,           \
       FUSEDRNN_PERSISTENT_COMMON_PARAMS
 #define FUSEDRNN_PERSISTENT_BACKWARD_ARGS                                                \
   dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0, dh_carry, \
-      dc_carry, exchange, FUSEDRNN_PERSISTENT_COMMON_ARGS
+      dc_carry, exchange, chunk, FUSEDRNN_PERSISTENT_COMMON_ARGS
 
 // The kernels' arguments gathered once (field order = parameter order), so each phase
 // takes one object.
@@ -126,6 +128,7 @@ struct PersistentBackward {
   idx_t ld_dg, col, has_dgh;
   const T* dh_rec0;
   T *dh_carry, *dc_carry, *exchange;
+  idx_t chunk;   // exchange rows staged in shared memory at a time
   PersistentCommon c;
 };
 
@@ -136,18 +139,19 @@ struct PersistentBackward {
     FUSEDRNN_PERSISTENT_COMMON_INIT }
 #define FUSEDRNN_PERSISTENT_BACKWARD_INIT                                                 \
   { dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0,         \
-    dh_carry, dc_carry, exchange, FUSEDRNN_PERSISTENT_COMMON_INIT }
+    dh_carry, dc_carry, exchange, chunk, FUSEDRNN_PERSISTENT_COMMON_INIT }
 
 // ---- forward phases ----
 
 template <typename Cell, typename T>
 __host__ __device__ void forward_stage_weights(const PersistentForward<T>& p, T* w_s,
                                                idx_t block, idx_t tid, idx_t threads) {
-  // w_s[(k*G + g)*U + u] = W_h[g*H + j, k]: the k loop below reads one row of G*U.
+  // w_s[(k*U + u)*G + g] = W_h[g*H + j, k]: a task's G weights for one k are adjacent
+  // (one 128-bit load for an LSTM in float32), and lanes sharing u read the same ones.
   const idx_t G = Cell::G, H = p.c.H, U = p.c.units;
   for (idx_t i = tid; i < G * U * H; i += threads) {   // k fastest: coalesced reads
     idx_t k = i % H, gu = i / H, u = gu % U, g = gu / U, j = block * U + u;
-    w_s[(k * G + g) * U + u] = j < H ? p.w_h[(g * H + j) * H + k] : T(0);
+    w_s[(k * U + u) * G + g] = j < H ? p.w_h[(g * H + j) * H + k] : T(0);
   }
 }
 
@@ -187,8 +191,8 @@ __host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w
     for (int g = 0; g < G; ++g) acc[g] = T(0);
     for (idx_t k = 0; k < H; ++k) {
       const T hk = h_s[k * ldn + n];
-      const T* w = w_s + k * G * U + u;
-      for (int g = 0; g < G; ++g) acc[g] += w[g * U] * hk;
+      const T* w = w_s + (k * U + u) * G;
+      for (int g = 0; g < G; ++g) acc[g] += w[g] * hk;
     }
     T x[G], r[G], rec[S], h, c;
     for (int g = 0; g < G; ++g) {
@@ -218,26 +222,60 @@ __host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, 
   }
 }
 
+// The recurrent product dh_rec[n, j] = sum_r dg_later[n, r] W_h[r, j] in chunks: every
+// block needs all of dg_later (G*H x N), so each chunk of rows is read from L2 once per
+// block into shared memory (coalesced) and then shared by the block's U units, instead
+// of each task re-reading it. dh_s[task] holds the sums (each task's own slot).
+
+template <typename T>
+__host__ __device__ void backward_clear(const PersistentBackward<T>& p, T* dh_s, idx_t tid,
+                                        idx_t threads) {
+  for (idx_t task = tid; task < p.c.units * p.c.N; task += threads) dh_s[task] = T(0);
+}
+
 template <typename Cell, typename T>
-__host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* w_s,
+__host__ __device__ void stage_exchange(const PersistentBackward<T>& p, T* x_s, idx_t step,
+                                        idx_t first, idx_t tid, idx_t threads) {
+  // x_s[(r - first)*ldn + n] = dg_later[n, r] for rows first .. first+chunk-1.
+  const idx_t N = p.c.N, GH = Cell::G * p.c.H;
+  const idx_t rows = GH - first < p.chunk ? GH - first : p.chunk;
+  const T* later = p.exchange + ((step + 1) % 2) * GH * N + first * N;   // previous step's
+  for (idx_t i = tid; i < rows * N; i += threads)
+    x_s[(i / N) * p.c.ldn + i % N] = load_shared_state(later + i);
+}
+
+template <typename Cell, typename T>
+__host__ __device__ void backward_accumulate(const PersistentBackward<T>& p, const T* w_s,
+                                             const T* x_s, T* dh_s, idx_t block, idx_t tid,
+                                             idx_t threads, idx_t first) {
+  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, GH = Cell::G * H, ldn = p.c.ldn;
+  const idx_t rows = GH - first < p.chunk ? GH - first : p.chunk;
+  for (idx_t task = tid; task < U * N; task += threads) {
+    const idx_t u = task / N, n = task % N;
+    if (block * U + u >= H) continue;
+    T part[4] = {T(0), T(0), T(0), T(0)};   // independent chains, not one long one
+    idx_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      for (int q = 0; q < 4; ++q)
+        part[q] += x_s[(r + q) * ldn + n] * w_s[(first + r + q) * U + u];
+    for (; r < rows; ++r) part[0] += x_s[r * ldn + n] * w_s[(first + r) * U + u];
+    dh_s[task] += (part[0] + part[1]) + (part[2] + part[3]);
+  }
+}
+
+template <typename Cell, typename T>
+__host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* dh_s,
                                         idx_t block, idx_t tid, idx_t threads, idx_t step) {
   const int G = Cell::G, S = Cell::S;
-  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, GH = G * H;
+  const idx_t N = p.c.N, H = p.c.H, U = p.c.units;
   const idx_t t = p.c.forward_t(p.c.steps - 1 - step);
-  const T* later = p.exchange + ((step + 1) % 2) * GH * N;   // written in the previous step
-  T* current = p.exchange + (step % 2) * GH * N;
+  T* current = p.exchange + (step % 2) * G * H * N;
   const StepInfo info = p.c.info(t);
   for (idx_t task = tid; task < U * N; task += threads) {
     const idx_t u = task / N, n = task % N, j = block * U + u;
     if (j >= H) continue;
     const idx_t nj = n * H + j, row = t * N + n;
-    T dh_rec = T(0);
-    if (step == 0) {
-      dh_rec = p.dh_rec0[nj];
-    } else {
-      for (idx_t r = 0; r < GH; ++r)
-        dh_rec += load_shared_state(later + r * N + n) * w_s[r * U + u];
-    }
+    const T dh_rec = step == 0 ? p.dh_rec0[nj] : dh_s[task];
     T* dgx = p.dgx + row * p.ld_dg + p.col + j;
     T* dgh = p.dgh + row * p.ld_dg + p.col + j;
     if (!info.active(n)) {   // no gate gradient; dh and dc pass on to the step before
@@ -293,7 +331,7 @@ __device__ __forceinline__ void grid_barrier(unsigned long long* counter,
 
 // At most one block per SM (the host checks co-residency): __launch_bounds__ lets the
 // compiler spend up to 128 registers per thread at 512 threads.
-extern __shared__ double persistent_smem[];   // double: aligned for either T
+extern __shared__ __align__(16) double persistent_smem[];   // aligned for either T and vector loads
 
 template <typename Cell, typename T>
 __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* barrier,
@@ -317,10 +355,22 @@ __global__ void __launch_bounds__(512) persistent_backward(unsigned long long* b
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
+  T* x_s = w_s + Cell::G * H * units;
+  T* dh_s = x_s + chunk * ldn;
   backward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
   __syncthreads();
   for (idx_t step = 0; step < steps; ++step) {
-    backward_tasks<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    if (step > 0) {
+      backward_clear(p, dh_s, threadIdx.x, blockDim.x);
+      for (idx_t first = 0; first < Cell::G * H; first += chunk) {
+        stage_exchange<Cell, T>(p, x_s, step, first, threadIdx.x, blockDim.x);
+        __syncthreads();
+        backward_accumulate<Cell, T>(p, w_s, x_s, dh_s, blockIdx.x, threadIdx.x, blockDim.x,
+                                     first);
+        __syncthreads();   // x_s is restaged next
+      }
+    }
+    backward_tasks<Cell, T>(p, dh_s, blockIdx.x, threadIdx.x, blockDim.x, step);
     grid_barrier(barrier, arrivals);   // every block's gate gradients are in `exchange`
   }
 }

@@ -7,8 +7,8 @@ same source in tests/gpu.
 
 Selection rule (persistent_plan): a layer runs persistent when one block per SM holds
 its slice of W_h and the staged state in shared memory (forward: (H*G*U + H*ldn) values,
-backward: G*H*U values, U = ceil(H / SMs) units per block), so the grid is co-resident
-and can synchronise. Measurement behind it: none yet. No GPU was lent to the session
+backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn, U =
+ceil(H / SMs) units per block), so the grid is co-resident and can synchronise. Measurement behind it: none yet. No GPU was lent to the session
 that wrote this kernel, so it has never run on one, and the crossover against the
 per-step GEMM path (large N, where cuBLAS's per-step GEMM is efficient) is unknown.
 Until the GPU parity suite (tests/gpu/test_parity.py) passes with it and the benchmark
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +27,13 @@ import numpy as np
 from ..config import CELLS
 from .kernels import C_TYPES, CELL_TYPES
 
-__all__ = ["SOURCE_PATH", "MAX_THREADS", "DeviceLimits", "PersistentPlan", "persistent_plan",
+__all__ = ["SOURCE_PATH", "source", "MAX_THREADS", "DeviceLimits", "PersistentPlan", "persistent_plan",
            "persistent_enabled", "kernel_names", "all_kernel_names", "forward_args",
            "backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
 SOURCE_PATH = Path(__file__).with_name("persistent.cuh")
 MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
+MAX_CHUNK = 512
 ENV = "FUSEDRNN_GPU_PERSISTENT"
 
 
@@ -52,6 +54,7 @@ class PersistentPlan:
     units: int           # hidden units per block
     threads: int         # per block, a multiple of 32
     ldn: int             # staged row stride: N made odd (no shared-memory bank conflicts)
+    chunk: int           # backward: rows of the gate-gradient exchange staged at a time
     forward_smem: int    # bytes of dynamic shared memory per block
     backward_smem: int
 
@@ -62,11 +65,15 @@ def persistent_plan(gates, hidden, batch, itemsize, limits):
     blocks = -(-hidden // units)
     ldn = batch | 1
     forward_smem = (hidden * gates * units + hidden * ldn) * itemsize
-    backward_smem = gates * hidden * units * itemsize
-    if max(forward_smem, backward_smem) > limits.smem_per_block:
+    # The backward stages up to 512 exchange rows at a time (a chunk of ~40 KB at N=20
+    # float32), fewer where the W_h columns leave less room; at least 32.
+    fixed = (gates * hidden * units + units * batch) * itemsize
+    chunk = min(gates * hidden, MAX_CHUNK, (limits.smem_per_block - fixed) // (ldn * itemsize))
+    if forward_smem > limits.smem_per_block or chunk < min(32, gates * hidden):
         return None
+    backward_smem = fixed + chunk * ldn * itemsize
     threads = min(MAX_THREADS, max(64, -(-units * batch // 32) * 32))
-    return PersistentPlan(blocks, units, threads, ldn, forward_smem, backward_smem)
+    return PersistentPlan(blocks, units, threads, ldn, chunk, forward_smem, backward_smem)
 
 
 def persistent_enabled():
@@ -112,7 +119,7 @@ def backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_
     has_cell = cs.shape[3] != 0
     return (dy, i(dy.shape[2]), i(d * H), w_h, hs[d], cs[d] if has_cell else cs, saved[d],
             dgx, dgh, i(dgx.shape[2]), i(d * gates * H), i(dgh.shape[2] != 0), dh_rec0,
-            dh_carry, dc_carry, exchange,
+            dh_carry, dc_carry, exchange, i(plan.chunk),
             *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
 
 
@@ -124,7 +131,11 @@ class PersistentLayer:
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
         self._launch_forward, self._launch_backward = launch_forward, launch_backward
-        self._barrier = xp.zeros(1, dtype=np.uint64)   # grid_barrier's counter
+
+    def _barrier(self):
+        """A fresh zeroed grid_barrier counter per launch: one shared by launches on two
+        streams could be reset under a kernel still spinning on it (a hang)."""
+        return self.xp.zeros(1, dtype=np.uint64)
 
     @staticmethod
     def forward_scratch(config, steps, batch):
@@ -160,18 +171,23 @@ class PersistentLayer:
                 clip_hi, clip_flags):
         args = forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs, y, saved,
                             lengths, clip_lo, clip_hi, clip_flags)
-        self._barrier.fill(0)
         self._launch_forward((self.plan.blocks,), (self.plan.threads,),
-                             (self._barrier, *args), self.plan.forward_smem)
+                             (self._barrier(), *args), self.plan.forward_smem)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  tiles, lengths, clip_lo, clip_hi, clip_flags):
         args = backward_args(self.gates, self.plan, dy, d, w_h, hs, cs, saved, dgx, dgh,
                              dh_rec0, dh_carry, dc_carry, tiles, lengths, clip_lo, clip_hi,
                              clip_flags)
-        self._barrier.fill(0)
         self._launch_backward((self.plan.blocks,), (self.plan.threads,),
-                              (self._barrier, *args), self.plan.backward_smem)
+                              (self._barrier(), *args), self.plan.backward_smem)
+
+
+def source():
+    """persistent.cuh with cells.cuh in place of its #include: CuPy keys its disk cache
+    on the source text it is given, so a change to either file must change that text."""
+    cells = SOURCE_PATH.with_name("cells.cuh").read_text()
+    return SOURCE_PATH.read_text().replace('#include "cells.cuh"', cells, 1)
 
 
 _module = None
@@ -179,27 +195,30 @@ _module_lock = threading.Lock()
 
 
 def _cupy_module(cupy):
+    """Compiled once per process. Not with CuPy's enable_cooperative_groups, which adds
+    relocatable code and links libcudadevrt from a CUDA toolkit a pip install may lack:
+    the kernels use no cooperative_groups API, only a cooperative launch (below)."""
     global _module
     with _module_lock:
         if _module is None:
-            _module = cupy.RawModule(
-                code=SOURCE_PATH.read_text(), options=("--std=c++14", f"-I{SOURCE_PATH.parent}"),
-                name_expressions=all_kernel_names(), enable_cooperative_groups=True)
+            _module = cupy.RawModule(code=source(), options=("--std=c++14",),
+                                     name_expressions=all_kernel_names())
         return _module
 
 
 def _cupy_launcher(cupy, function, plan, shared_mem, sm_count):
-    """A launcher for `function`, or None where the grid would not be co-resident (CuPy
-    would shrink a cooperative grid with a warning; our blocks each own fixed units)."""
+    """A cooperative launcher for `function`, or None where the grid would not be
+    co-resident (every block owns fixed units and waits for all others each step)."""
     if function.max_dynamic_shared_size_bytes < shared_mem:
         function.max_dynamic_shared_size_bytes = shared_mem
+    kernel = function.kernel   # the cupy.cuda.Function on the current device
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        function.kernel.ptr, plan.threads, shared_mem)
+        kernel.ptr, plan.threads, shared_mem)
     if per_sm * sm_count < plan.blocks:
         return None
 
     def launch(grid, block, args, shared_mem):
-        function(grid, block, args, shared_mem=shared_mem)
+        kernel(grid, block, args, shared_mem=shared_mem, enable_cooperative_groups=True)
     return launch
 
 
@@ -213,10 +232,16 @@ def cupy_persistent_layer(cupy, config, dtype, batch):
                            np.dtype(dtype).itemsize, limits)
     if plan is None:
         return None
-    forward, backward = (_cupy_module(cupy).get_function(name)
-                         for name in kernel_names(config.mode, dtype))
-    launch_forward = _cupy_launcher(cupy, forward, plan, plan.forward_smem, limits.sm_count)
-    launch_backward = _cupy_launcher(cupy, backward, plan, plan.backward_smem, limits.sm_count)
+    try:
+        forward, backward = (_cupy_module(cupy).get_function(name)
+                             for name in kernel_names(config.mode, dtype))
+        launch_forward = _cupy_launcher(cupy, forward, plan, plan.forward_smem, limits.sm_count)
+        launch_backward = _cupy_launcher(cupy, backward, plan, plan.backward_smem,
+                                         limits.sm_count)
+    except Exception as error:  # noqa: BLE001  (any build or attribute failure: fall back)
+        warnings.warn(f"fusedrnn: persistent GPU kernels unavailable ({error!r}); using the "
+                      f"per-step path", RuntimeWarning, stacklevel=2)
+        return None
     if launch_forward is None or launch_backward is None:
         return None
     return PersistentLayer(config.mode, plan, cupy, launch_forward, launch_backward)

@@ -58,14 +58,15 @@ class HostCudaBackend:
 
     persistent: None runs every step through the per-step kernels (as the GPU backend
     does by default); a fusedrnn.gpu.persistent.DeviceLimits runs layers that fit through
-    the persistent kernels, planned for that device; `threads` overrides the plan's
-    threads per block (fewer threads than tasks exercises the kernels' striding)."""
+    the persistent kernels, planned for that device; `threads` and `chunk` override the
+    plan's threads per block (fewer threads than tasks exercises the kernels' striding)
+    and the backward's staged rows (several chunks, a partial last one)."""
     name = "cuda-host-emulation"
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
 
-    def __init__(self, lib, persistent=None, threads=None):
-        self.lib, self.limits, self.threads = lib, persistent, threads
+    def __init__(self, lib, persistent=None, threads=None, chunk=None):
+        self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
         self.launches = []
 
     def fused_layer(self, config, dtype, batch):
@@ -77,6 +78,8 @@ class HostCudaBackend:
             return None
         if self.threads:
             plan = replace(plan, threads=self.threads)
+        if self.chunk:
+            plan = replace(plan, chunk=self.chunk)
         suffix = f"{config.mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
         return persistent.PersistentLayer(
             config.mode, plan, self.xp,

@@ -53,13 +53,25 @@ template <typename Cell, typename T>
 void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
   std::vector<std::vector<T>> w_s(blocks, std::vector<T>(Cell::G * H * units));
+  std::vector<T> x_s(chunk * ldn), dh_s(units * N);   // reused block after block
   for (idx_t b = 0; b < blocks; ++b)
     for (idx_t tid = 0; tid < threads; ++tid)
       backward_stage_weights<Cell, T>(p, w_s[b].data(), b, tid, threads);
   for (idx_t step = 0; step < steps; ++step)
-    for (idx_t b = 0; b < blocks; ++b)
+    for (idx_t b = 0; b < blocks; ++b) {
+      if (step > 0) {
+        for (idx_t tid = 0; tid < threads; ++tid) backward_clear(p, dh_s.data(), tid, threads);
+        for (idx_t first = 0; first < Cell::G * H; first += chunk) {
+          for (idx_t tid = 0; tid < threads; ++tid)
+            stage_exchange<Cell, T>(p, x_s.data(), step, first, tid, threads);
+          for (idx_t tid = 0; tid < threads; ++tid)
+            backward_accumulate<Cell, T>(p, w_s[b].data(), x_s.data(), dh_s.data(), b, tid,
+                                         threads, first);
+        }
+      }
       for (idx_t tid = 0; tid < threads; ++tid)
-        backward_tasks<Cell, T>(p, w_s[b].data(), b, tid, threads, step);
+        backward_tasks<Cell, T>(p, dh_s.data(), b, tid, threads, step);
+    }
 }
 
 #define PERSISTENT_ENTRIES(NAME, CELL, T)                                               \

@@ -129,17 +129,14 @@ def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch):
     if nvrtc is None:
         _missing("NVRTC (libnvrtc)")
     prog = ctypes.c_void_p()
-    # CuPy passes the source as text: the include of cells.cuh resolves through -I.
-    src = persistent.SOURCE_PATH.read_bytes()
+    src = persistent.source().encode()   # exactly the text CuPy is given
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"persistent.cuh", 0, None,
                                     None) == 0
     names = persistent.all_kernel_names()
     for name in names:
         assert nvrtc.nvrtcAddNameExpression(prog, name.encode()) == 0
-    # persistent.py's options, plus what CuPy adds: -ftz=true always, --device-c with
-    # enable_cooperative_groups.
-    options = [b"--std=c++14", f"-I{persistent.SOURCE_PATH.parent}".encode(),
-               f"--gpu-architecture={arch}".encode(), b"-ftz=true", b"--device-c"]
+    # persistent.py's options, plus the one CuPy adds to every build.
+    options = [b"--std=c++14", f"--gpu-architecture={arch}".encode(), b"-ftz=true"]
     status = nvrtc.nvrtcCompileProgram(prog, len(options),
                                        (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()

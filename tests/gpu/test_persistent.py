@@ -26,8 +26,9 @@ def harness(tmp_path_factory):
     return build_harness(tmp_path_factory.mktemp("harness"))
 
 
-def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, threads=None):
-    backend = HostCudaBackend(harness, persistent=limits, threads=threads)
+def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, threads=None,
+           chunk=None):
+    backend = HostCudaBackend(harness, persistent=limits, threads=threads, chunk=chunk)
     got = run_training(backend, case, kw, heads, dtype, opts)
     want = run_training(CPU, case, kw, heads, dtype, opts)
     # Every layer and direction went through the persistent kernels: forward twice
@@ -48,12 +49,17 @@ def test_persistent_equals_cpu_backend(harness, mode, L, D, dtype):
     _check(harness, case, kw, heads, dtype)
 
 
-@pytest.mark.parametrize("limits, threads", [(FOUR_SMS, None), (TWO_SMS, 4), (DeviceLimits(1, 1 << 20), 7)],
-                         ids=["4-blocks", "4-threads", "1-block-7-threads"])
+SPLITS = {"4-blocks": (FOUR_SMS, None, None), "4-threads": (TWO_SMS, 4, None),
+          "1-block-7-threads": (DeviceLimits(1, 1 << 20), 7, None),
+          "chunks-of-5": (TWO_SMS, None, 5), "chunks-of-1": (FOUR_SMS, 32, 1)}
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("mode", MODES)
-def test_persistent_any_split_of_units_and_threads(harness, mode, limits, threads):
+def test_persistent_any_split_of_units_threads_and_chunks(harness, mode, split):
+    limits, threads, chunk = SPLITS[split]
     case, kw, heads = make_case(mode, T=4, N=5, I=3, H=9, L=2, D=2, seed=11)
-    _check(harness, case, kw, heads, np.float64, limits=limits, threads=threads)
+    _check(harness, case, kw, heads, np.float64, limits=limits, threads=threads, chunk=chunk)
 
 
 @pytest.mark.parametrize("D", [1, 2])
@@ -73,9 +79,9 @@ def test_persistent_lstm_clip(harness, options):
 
 def test_plan_for_the_design_doc_lstm_on_an_h100():
     plan = persistent_plan(4, 800, 20, 4, H100)
-    assert (plan.units, plan.blocks, plan.ldn, plan.threads) == (7, 115, 21, 160)
+    assert (plan.units, plan.blocks, plan.ldn, plan.threads, plan.chunk) == (7, 115, 21, 160, 512)
     assert plan.forward_smem == (800 * 4 * 7 + 800 * 21) * 4 == 156800
-    assert plan.backward_smem == 4 * 800 * 7 * 4
+    assert plan.backward_smem == (4 * 800 * 7 + 7 * 20 + 512 * 21) * 4
 
 
 def test_plan_refuses_what_does_not_fit_on_chip():
