@@ -73,20 +73,27 @@ def _project(a, wpack, c, spill):
     C = c.shape[1]
     itemsize = a.itemsize
     full = C // PANEL
-    for chunk in prange((M + CHUNK - 1) // CHUNK):
+    panels = -(-C // PANEL)
+    chunks = (M + CHUNK - 1) // CHUNK
+    # Few row chunks (a decoder step: T*N = 64) would leave a core idle: split the panels
+    # into groups so there are at least 8 work items.
+    groups = min(panels, max(1, -(-8 // chunks)))
+    for item in prange(chunks * groups):
+        chunk, group = item // groups, item % groups
         r0 = chunk * CHUNK
         rows = min(CHUNK, M - r0)
         a_rows = a.ctypes.data + r0 * K * itemsize
         c_rows = c.ctypes.data + r0 * C * itemsize
-        for p in range(full):
-            panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, c_rows + p * PANEL * itemsize,
-                       C, K, zero_like(a))
-        if full * PANEL < C:      # the partial last panel goes through spill
-            panel_gemm(a_rows, K, rows, wpack[full].ctypes.data, spill[chunk].ctypes.data,
-                       PANEL, K, zero_like(a))
-            for i in range(rows):
-                for u in range(C - full * PANEL):
-                    c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
+        for p in range(group * panels // groups, (group + 1) * panels // groups):
+            if p < full:
+                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data,
+                           c_rows + p * PANEL * itemsize, C, K, zero_like(a))
+            else:      # the partial last panel goes through spill
+                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, spill[chunk].ctypes.data,
+                           PANEL, K, zero_like(a))
+                for i in range(rows):
+                    for u in range(C - full * PANEL):
+                        c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
 
 
 def project(a, wpack, c, spill):
