@@ -205,13 +205,15 @@ class RecurrentOp:
         lstm, proj = cfg.cell.has_cell_state, bool(cfg.projection_size)
         empty, s, lay = self.scratch.empty, self.scratch, self.layout
         xproj = s.xproj.reshape(T, N, D * GH)
-        if self.fused is not None:
+        if self.fused is not None and self.fused.projects_input:
             self.fused.project(x.reshape(T * N, -1),
                                [lay.view(params, layer, d, "W_x") for d in range(D)],
                                s.wx_panels, s.xproj, s.spill)
+        else:
+            xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
+        if self.fused is not None:
             self._fused_layer_forward(layer, xproj, params, h0, c0, y, opts, hs, cs, saved)
             return
-        xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         active, inactive = masks
         for d in range(D):
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))

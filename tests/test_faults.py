@@ -41,6 +41,7 @@ def fault(monkeypatch):
         return SimpleNamespace(forward_scratch=layer.forward_scratch,
                                backward_scratch=layer.backward_scratch, pack=layer.pack,
                                pack_rows=layer.pack_rows, project=layer.project,
+                               projects_input=layer.projects_input,
                                forward=wrap(layer.forward), backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer

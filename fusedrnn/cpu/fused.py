@@ -255,6 +255,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
 
+    projects_input = True   # project() replaces the driver's input GEMM (gemm.py: why)
+
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)

@@ -125,8 +125,8 @@ def backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_
 
 class PersistentLayer:
     """The driver's fused-layer interface (as fusedrnn/cpu/fused.py's FusedLayer) over the
-    persistent kernels: the input projection stays one GEMM per layer, W_h is read in
-    place (each block stages its own slice), and each direction is one launch."""
+    persistent kernels: the input projection stays the driver's one GEMM per layer, W_h is
+    read in place (each block stages its own slice), and each direction is one launch."""
 
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
@@ -137,12 +137,11 @@ class PersistentLayer:
         streams could be reset under a kernel still spinning on it (a hang)."""
         return self.xp.zeros(1, dtype=np.uint64)
 
+    projects_input = False   # the driver's input GEMM (cuBLAS) serves
+
     @staticmethod
     def forward_scratch(config, steps, batch):
-        D, GH = config.directions, config.gate_rows
-        max_in = max(config.layer_input_size(layer) for layer in range(config.num_layers))
-        return {"wpack": (0,), "tiles": (2, GH, batch),   # tiles: the backward's exchange
-                "wx_panels": (D * GH * max_in if D > 1 else 0,), "spill": (0,)}
+        return {"wpack": (0,), "tiles": (2, config.gate_rows, batch)}   # tiles: the exchange
 
     @staticmethod
     def backward_scratch(config, batch):
@@ -153,19 +152,6 @@ class PersistentLayer:
         return w_h
 
     pack_rows = pack
-
-    def project(self, x2d, w_xs, pack_scratch, out, spill):
-        """out = x2d @ [W_x of each direction]^T: one cuBLAS GEMM."""
-        if len(w_xs) == 1:
-            w = w_xs[0]
-        else:
-            rows = sum(w.shape[0] for w in w_xs)
-            w = pack_scratch[:rows * x2d.shape[1]].reshape(rows, x2d.shape[1])
-            r = 0
-            for part in w_xs:
-                w[r:r + part.shape[0]] = part
-                r += part.shape[0]
-        self.xp.matmul(x2d, w.T, out=out)
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, tiles, lengths, clip_lo,
                 clip_hi, clip_flags):
