@@ -204,24 +204,17 @@ class RecurrentOp:
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
         lstm, proj = cfg.cell.has_cell_state, bool(cfg.projection_size)
         empty, s, lay = self.scratch.empty, self.scratch, self.layout
-        xproj = s.xproj.reshape(T, N, D * GH)
-        if self.fused is not None and self.fused.projects_input:
-            self.fused.project(x.reshape(T * N, -1),
-                               [lay.view(params, layer, d, "W_x") for d in range(D)],
-                               s.wx_panels, s.xproj, s.spill)
-        else:
-            xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         if self.fused is not None:
-            self._fused_layer_forward(layer, xproj, params, h0, c0, y, opts, hs, cs, saved)
+            self._fused_layer_forward(layer, x, params, h0, c0, y, opts, hs, cs, saved)
             return
+        xproj = s.xproj.reshape(T, N, D * GH)
+        xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
         active, inactive = masks
         for d in range(D):
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
             w_r = lay.view(params, layer, d, "W_r") if proj else None
-            first, prev, nxt, idx = (0 if d == 0 else T), PREV[d], NEXT[d], layer * D + d
-            hs[d, first] = h0[idx] if h0 is not None else 0
-            if lstm:
-                cs[d, first] = c0[idx] if c0 is not None else 0
+            prev, nxt = PREV[d], NEXT[d]
+            self._initial_state(layer, d, h0, c0, hs, cs)
             for t in self._steps(d):
                 xp.matmul(hs[d, t + prev], w_h.T, out=s.gh)
                 c_prev = cs[d, t + prev] if lstm else empty
@@ -247,20 +240,40 @@ class RecurrentOp:
                 else:
                     y[:, :, d * R:(d + 1) * R] = states
 
-    def _fused_layer_forward(self, layer, xproj, params, h0, c0, y, opts, hs, cs, saved):
-        """The backend's whole-layer loop (cpu/fused.py), one call per direction."""
-        cfg, T, s, lay = self.config, self.T, self.scratch, self.layout
+    def _initial_state(self, layer, d, h0, c0, hs, cs):
+        idx, first = layer * self.config.directions + d, (0 if d == 0 else self.T)
+        hs[d, first] = h0[idx] if h0 is not None else 0
+        if self.config.cell.has_cell_state:
+            cs[d, first] = c0[idx] if c0 is not None else 0
+
+    def _fused_layer_forward(self, layer, x, params, h0, c0, y, opts, hs, cs, saved):
+        """The backend's whole-layer loop (cpu/fused.py), one call per direction; at T=1
+        its single-region form where it has one (FusedLayer.forward_single: why)."""
+        xp, cfg, T, N, s, lay = self.xp, self.config, self.T, self.N, self.scratch, self.layout
+        D, GH = cfg.directions, cfg.gate_rows
         lengths = self.no_lengths if opts.lengths is None else opts.lengths
-        for d in range(cfg.directions):
-            idx, first = layer * cfg.directions + d, (0 if d == 0 else T)
-            hs[d, first] = h0[idx] if h0 is not None else 0
-            if cfg.cell.has_cell_state:
-                cs[d, first] = c0[idx] if c0 is not None else 0
-            w_h = self.fused.pack(lay.view(params, layer, d, "W_h"), s.wpack)
-            self.fused.forward(xproj, d, w_h, lay.view(params, layer, d, "b_x"),
-                               lay.view(params, layer, d, "b_h"), hs, cs, y,
-                               s.no_record if saved is None else saved, s.tiles, lengths,
-                               opts.clip_lo, opts.clip_hi, opts.clip_flags)
+        record = s.no_record if saved is None else saved
+        tail = (lengths, opts.clip_lo, opts.clip_hi, opts.clip_flags)
+        single = T == 1 and self.fused.fuses_single_step
+        xproj = s.xproj.reshape(T, N, D * GH)
+        if single:
+            pass
+        elif self.fused.projects_input:
+            self.fused.project(x.reshape(T * N, -1),
+                               [lay.view(params, layer, d, "W_x") for d in range(D)],
+                               s.wx_panels, s.xproj, s.spill)
+        else:
+            xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
+        for d in range(D):
+            self._initial_state(layer, d, h0, c0, hs, cs)
+            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
+            if single:
+                self.fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
+                                          w_h, b_x, b_h, hs, cs, y, record, s.tiles,
+                                          s.x_cols, s.h_cols, *tail)
+            else:
+                self.fused.forward(xproj, d, self.fused.pack(w_h, s.wpack), b_x, b_h, hs, cs,
+                                   y, record, s.tiles, *tail)
 
     # -- backward ---------------------------------------------------------------------
     def _backward_buffers(self):

@@ -42,7 +42,10 @@ def fault(monkeypatch):
                                backward_scratch=layer.backward_scratch, pack=layer.pack,
                                pack_rows=layer.pack_rows, project=layer.project,
                                projects_input=layer.projects_input,
-                               forward=wrap(layer.forward), backward=wrap(layer.backward))
+                               fuses_single_step=layer.fuses_single_step,
+                               forward=wrap(layer.forward),
+                               forward_single=wrap(layer.forward_single),
+                               backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer
     monkeypatch.setattr(CpuBackend, "cell_kernels",

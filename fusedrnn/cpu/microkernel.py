@@ -35,15 +35,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["PANEL", "ROWS", "panel_gemm", "panel_gemm_for", "pack_columns", "pack_rows"]
+__all__ = ["PANEL", "ROWS", "panel_gemm", "panel_gemm_t", "panel_gemm_for", "pack_columns",
+           "pack_rows"]
 
 PANEL = 16                                        # columns per packed panel
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}   # MR: rows per register tile
 
 
-def _tile_intrinsic(rows):
+def _tile_intrinsic(rows, transposed):
     """C[rows, PANEL] = A[rows, k] @ panel[k, PANEL], accumulators in registers; the
-    precision is that of the last argument (any scalar of the data's dtype)."""
+    precision is that of the last argument (any scalar of the data's dtype). With
+    `transposed`, C^T is stored: element (r, j) goes to c[j * ldc + r]."""
 
     @intrinsic
     def tile(typingctx, a, lda, panel, c, ldc, k, like):
@@ -90,6 +92,15 @@ def _tile_intrinsic(rows):
                                       acc[r][v])
             for r in range(rows):
                 for v in range(vectors):
+                    if transposed:   # one scalar store per lane: 16*rows per tile, cheap
+                        value = builder.load(acc[r][v])
+                        for lane in range(lanes):
+                            at = builder.add(builder.mul(ir.Constant(intp, v * lanes + lane),
+                                                         ldc), ir.Constant(intp, r))
+                            builder.store(builder.extract_element(
+                                value, ir.Constant(ir.IntType(32), lane)),
+                                builder.gep(c_ptr, [at]))
+                        continue
                     at = builder.add(builder.mul(ir.Constant(intp, r), ldc),
                                      ir.Constant(intp, v * lanes))
                     builder.store(builder.load(acc[r][v]),
@@ -105,7 +116,9 @@ def _tile_intrinsic(rows):
 # Module globals, not closure variables: Numba's disk cache keys on a closure's pickled
 # cells, and a pickled intrinsic or dispatcher differs in every process (a cache miss
 # and a new cache file per process).
-_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_tile_intrinsic(r) for r in range(1, 7))
+_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_tile_intrinsic(r, False) for r in range(1, 7))
+_tileT1, _tileT2, _tileT3, _tileT4, _tileT5, _tileT6 = (_tile_intrinsic(r, True)
+                                                        for r in range(1, 7))
 
 
 def _register_rows(like):
@@ -143,6 +156,33 @@ def panel_gemm(a, lda, rows, panel, c, ldc, k, like):
             _tile5(a_r, lda, panel, c_r, ldc, k, like)
         else:
             _tile6(a_r, lda, panel, c_r, ldc, k, like)
+        r += height
+
+
+@nb.njit(inline="always")
+def panel_gemm_t(a, lda, rows, panel, c, ldc, k, like):
+    """panel_gemm storing C^T: C (PANEL, rows) with row stride ldc gets (A @ panel)^T.
+    Used with A = raw weight rows and panel = 16 samples of the input packed as columns,
+    so a weight matrix used once per call (a T=1 step) is read in place, never packed."""
+    mr = _register_rows(like)
+    itemsize = 4 if mr == 6 else 8
+    tiles = (rows + mr - 1) // mr
+    r = 0
+    for i in range(tiles):
+        height = (rows - r) // (tiles - i)
+        a_r, c_r = a + r * lda * itemsize, c + r * itemsize
+        if height == 1:
+            _tileT1(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 2:
+            _tileT2(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 3:
+            _tileT3(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 4:
+            _tileT4(a_r, lda, panel, c_r, ldc, k, like)
+        elif height == 5:
+            _tileT5(a_r, lda, panel, c_r, ldc, k, like)
+        else:
+            _tileT6(a_r, lda, panel, c_r, ldc, k, like)
         r += height
 
 

@@ -138,6 +138,7 @@ class PersistentLayer:
         return self.xp.zeros(1, dtype=np.uint64)
 
     projects_input = False   # the driver's input GEMM (cuBLAS) serves
+    fuses_single_step = False
 
     @staticmethod
     def forward_scratch(config, steps, batch):

@@ -8,13 +8,15 @@
     write is written (and right, against tests/reference.py's cell), nothing of the
     other direction is read or written.
 (c) pack_recurrent / pack_recurrent_rows against the layouts their docstrings define.
+(d) The T=1 form (FusedLayer.forward_single) as (a) and (b): through the op against the
+    generic path, and called directly on poisoned buffers against the reference cell.
 """
 import numpy as np
 import pytest
 
 import fusedrnn
 from conftest import MODES, make_case, rel_err
-from fusedrnn.config import CELLS
+from fusedrnn.config import CELLS, RNNConfig
 from fusedrnn.cpu import CpuBackend
 from fusedrnn.cpu.fused import (TILE_GROUPS, FusedLayer, fused_layer, pack_recurrent,
                                 pack_recurrent_rows, panels)
@@ -224,3 +226,89 @@ def test_pack_recurrent_rows_layout(dtype, R):
         j = PANEL * b + u
         assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
     assert np.array_equal(out, pack_rows(w))
+
+
+# -- (d) the T=1 form: forward_single -------------------------------------------------
+
+@pytest.mark.parametrize("N", [1, 7, 17])       # 17: a second, mostly padded 16-sample panel
+@pytest.mark.parametrize("H", [1, 16, 17, 33])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N):
+    """T=1 (a decoder step), 2 layers, bidirectional, through forward_single: inference,
+    training forward and all gradients equal the generic per-step path's."""
+    case, kw, heads = make_case(mode, T=1, N=N, I=I, H=H, L=2, D=2, dtype=dtype,
+                                seed=H * 10 + N + 1)
+    calls, real = [], FusedLayer.forward_single
+
+    def counted(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(FusedLayer, "forward_single", counted)
+    fused, generic = fused_and_generic(monkeypatch, case, kw, heads)
+    assert len(calls) == 2 * 2 * 2    # (inference + training) x layers x directions
+    assert not any(np.isnan(a).any() for a in generic if a is not None)
+    assert_same(fused, generic, TOL[dtype])
+
+
+@pytest.mark.parametrize("clip_nan", [False, True])
+def test_op_single_step_matches_generic_path_with_lstm_clipping(monkeypatch, clip_nan):
+    case, kw, heads = make_case("lstm", T=1, N=5, I=I, H=17, L=2, D=2, seed=3)
+    case["data"][0, 1, 0] = np.nan
+    fused, generic = fused_and_generic(monkeypatch, case, kw, **CLIP,
+                                       lstm_state_clip_nan=clip_nan)
+    cy = generic[2]
+    assert (cy == 0.3).any() or (cy == -0.25).any(), "the clip never acted"
+    assert_same(fused, generic, TOL[np.float64])
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("N", [3, 17])
+@pytest.mark.parametrize("H", [1, 17, 33])
+@pytest.mark.parametrize("d", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, record):
+    """forward_single on NaN-poisoned outputs and scratch, against tests/reference.py's
+    cell: every element of direction d is written and right, nothing else is touched."""
+    spec, D, K = CELLS[mode], 2, 9
+    G, lstm, other = spec.gates, spec.has_cell_state, 1 - d
+    layer = fused_layer(mode, dtype)
+    rng = np.random.default_rng([H, N, d, int(record)])
+    scale = H ** -0.5
+    x = rng.standard_normal((N, K)).astype(dtype)
+    w_x = rng.uniform(-scale, scale, (G * H, K)).astype(dtype)
+    w_h = rng.uniform(-scale, scale, (G * H, H)).astype(dtype)
+    bx, bh = (rng.uniform(-scale, scale, G * H).astype(dtype) for _ in range(2))
+    h0, c0 = (rng.standard_normal((N, H)).astype(dtype) for _ in range(2))
+    first = 0 if d == 0 else 1
+    hs = np.full((D, 2, N, H), np.nan, dtype)
+    hs[d, first] = h0
+    cs = np.full((D, 2, N, H if lstm else 0), np.nan, dtype)
+    if lstm:
+        cs[d, first] = c0
+    y = np.full((1, N, D * H), np.nan, dtype)
+    saved = np.full((D, 1, N, spec.saved * H) if record else (0, 0, 0, 0), np.nan, dtype)
+    config = RNNConfig(mode=mode, state_size=H, num_layers=1, input_size=K,
+                       bidirectional=True)
+    scratch = {name: np.full(shape, np.nan, dtype)
+               for name, shape in FusedLayer.forward_scratch(config, 1, N).items()}
+
+    layer.forward_single(x, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch["tiles"],
+                         scratch["x_cols"], scratch["h_cols"], np.empty(0, np.int64),
+                         0.0, 0.0, 0)
+
+    f64 = [a.astype(np.float64) for a in (x, w_x, w_h, bx, bh, h0, c0)]
+    want_h, want_c = zip(*(reference_cell(mode, f64[0][n], f64[5][n], f64[6][n], *f64[1:5])
+                           for n in range(N)))
+    mine, nxt = slice(d * H, (d + 1) * H), 1 - first
+    assert rel_err(hs[d, nxt], np.array(want_h)) <= TOL[dtype]     # rel_err: NaN fails
+    assert rel_err(y[0, :, mine], np.array(want_h)) <= TOL[dtype]
+    assert rel_err(hs[d, first], h0) == 0
+    assert np.isnan(hs[other]).all() and np.isnan(np.delete(y, np.s_[mine], axis=2)).all()
+    if lstm:
+        assert rel_err(cs[d, nxt], np.array(want_c)) <= TOL[dtype]
+        assert np.isnan(cs[other]).all()
+    if record:
+        assert not np.isnan(saved[d]).any() and np.isnan(saved[other]).all()

@@ -1,14 +1,16 @@
 """fusedrnn.cpu.microkernel: the packed-panel GEMM kernel against float64 numpy for every
 row count up to two register tiles (and 20, the balanced 4 x 5 split), with a row
 stride of A wider than K and a C wider than the panels whose padding columns must stay
-untouched; pack_columns and pack_rows element by element against their docstrings."""
+untouched; its transposed-store form (panel_gemm_t) the same way; pack_columns and
+pack_rows element by element against their docstrings."""
 import functools
 
 import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.microkernel import PANEL, ROWS, pack_columns, pack_rows, panel_gemm_for
+from fusedrnn.cpu.microkernel import (PANEL, ROWS, pack_columns, pack_rows, panel_gemm_for,
+                                      panel_gemm_t)
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
 A_PAD = 3    # A's row stride is K + A_PAD: lda is honoured, not assumed to be K
@@ -118,3 +120,28 @@ def test_pack_rows_layout(dtype, R):
         j = PANEL * b + u
         assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
     assert np.array_equal(pack_rows(w), out)
+
+
+@functools.cache
+def transposed_driver(dtype):
+    @nb.njit
+    def run(a, lda, rows, panel, c):
+        panel_gemm_t(a.ctypes.data, lda, rows, panel.ctypes.data, c.ctypes.data, c.shape[1],
+                     panel.shape[0], dtype(0))
+    return run
+
+
+@pytest.mark.parametrize("K", [1, 7, 64])
+@pytest.mark.parametrize("rows", [*range(1, 2 * max(ROWS.values()) + 2), 16, 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K):
+    """C (16, ldc) gets (A @ panel)^T in its first `rows` columns; the rest stays NaN."""
+    rng = np.random.default_rng([rows, K, 1])
+    a = np.full((rows, K + A_PAD), np.nan, dtype)
+    a[:, :K] = rng.standard_normal((rows, K))
+    panel = rng.standard_normal((K, PANEL)).astype(dtype)
+    c = np.full((PANEL, rows + C_PAD), np.nan, dtype)
+    transposed_driver(dtype)(a, K + A_PAD, rows, panel, c)
+    want = (a[:, :K].astype(np.float64) @ panel.astype(np.float64)).T
+    assert np.max(np.abs(c[:, :rows] - want)) / np.max(np.abs(want)) <= TOL[dtype]
+    assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
