@@ -9,8 +9,9 @@ Groups (full / --quick sizes):
   hidden      LSTM inference, H = 256, 512, 1024, 2048 at T=50 N=64 (quick: H=128,256 at T=20)
   float64     the design-doc single-layer case of each mode in float64, inference and
               training (quick: T=20, I=H=128), whatever --dtype says
-  seq2seq     the decoder step T=1 N=64 I=H=512 (GRU and LSTM, microseconds per call) and the
-              encoder T=50 N=64 I=256 H=512 2-layer GRU (quick: T=20)
+  seq2seq     the decoder step T=1 N=64 I=H=512 (GRU and LSTM, microseconds per call, over
+              16 calls back to back, as a decoder makes them) and the encoder T=50 N=64
+              I=256 H=512 2-layer GRU (quick: T=20)
   cold        the first call in a fresh process (imports, kernel load, allocation), seconds
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Case:
     bidirectional: bool = False
     train: bool = False
     per_call: bool = False   # report microseconds per call instead of samples per second
+    # Calls per timed sample, back to back, the time divided by it: a decoder steps one
+    # token after another, so its case times a run of calls, not one call after a pause.
+    burst: int = 1
     dtype: str | None = None  # None: the run's --dtype
 
     @property
@@ -96,7 +100,8 @@ def _hidden(quick):
 
 
 def _seq2seq(quick):
-    return [Case("seq2seq", mode, 1, 64, 512, 512, per_call=True) for mode in ("gru", "lstm")] + [
+    return [Case("seq2seq", mode, 1, 64, 512, 512, per_call=True, burst=16)
+            for mode in ("gru", "lstm")] + [
         Case("seq2seq", "gru", 20 if quick else 50, 64, 256, 512, L=2)]
 
 

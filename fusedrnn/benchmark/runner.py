@@ -91,8 +91,18 @@ def run_case(case, device, dtype, peer_names, repeats):
     for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
         for name, fn in calls.items():
             _settle(device)
-            times[name].append(device.time(fn))
+            times[name].append(device.time(_burst(fn, case.burst)) / case.burst)
     return times
+
+
+def _burst(fn, calls):
+    if calls == 1:
+        return fn
+
+    def run():
+        for _ in range(calls):
+            fn()
+    return run
 
 
 # On the CPU every timed call starts after a pause: OpenBLAS's threads spin for about
