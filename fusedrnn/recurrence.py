@@ -338,7 +338,7 @@ class RecurrentOp:
         lstm = cell.has_cell_state
         dgh = b.dgh if cell.split_gate_grads else b.dgx
         dgx3, dgh3 = b.dgx.reshape(T, N, D * GH), dgh.reshape(T, N, D * GH)
-        idx, prev, nxt, cols = layer * D + d, PREV[d], NEXT[d], slice(d * GH, (d + 1) * GH)
+        idx, prev, cols = layer * D + d, PREV[d], slice(d * GH, (d + 1) * GH)
         w_h = lay.view(params, layer, d, "W_h")
         w_r = lay.view(params, layer, d, "W_r") if proj else None
         # dh_carry: gradient reaching h_{t-1} directly (GRU's z*dh; inactive steps pass

@@ -23,7 +23,6 @@ project(a, wpack, c, spill)
 from __future__ import annotations
 
 import numba as nb
-import numpy as np
 from numba import prange
 
 from .mathfn import zero_like
