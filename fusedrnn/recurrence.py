@@ -94,7 +94,7 @@ class RecurrentOp:
             "empty": (0, 0),
             "no_record": (0, 0, 0, 0),
         }
-        if self.fused is not None:   # wpack, tiles, wx_panels, spill: the backend's own
+        if self.fused is not None:   # the fused layer's own (its forward_scratch)
             shapes.update(self.fused.forward_scratch(config, T, N))
         self.scratch, self.nbytes = _carve(self.xp, dtype, shapes)
         self.no_lengths = self.xp.empty(0, dtype="int64")

@@ -140,7 +140,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
             prev = t if d == 0 else t + 1
             nxt = t + 1 if d == 0 else t
             h_prev_addr = h_rows + prev * N * H * itemsize
-            for b in prange(tiles.shape[0]):
+            for b in prange(tiles.shape[0] if single_step else wpack.shape[0]):
                 tile = tiles[b]
                 j0 = b * PANEL
                 width = min(PANEL, H - j0)
@@ -316,13 +316,16 @@ class FusedLayer:
     def pack(self, w_h, out):
         return pack_recurrent(w_h, self.gates, out)
 
-    @staticmethod
-    def forward_scratch(config, steps, batch):
-        """Scratch shapes the op carves once: packed W_h, the per-block tiles, the packed
-        input weights of both directions (flat) and project()'s spill tiles."""
+    @classmethod
+    def forward_scratch(cls, config, steps, batch):
+        """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
+        the packed input weights of both directions (flat) and project()'s spill tiles.
+        For T = 1 (forward_single): the tiles padded to whole 16-sample panels and the
+        layer input and h_0 as 16-sample columns (x_cols flat, for any layer's K); the
+        others are empty."""
         H, GH, D = config.state_size, config.gate_rows, config.directions
         max_in = max(config.layer_input_size(layer) for layer in range(config.num_layers))
-        single = steps == 1   # forward_single needs no packed weights, only columns
+        single = steps == 1 and cls.fuses_single_step   # the driver's rule
         columns = -(-batch // PANEL)
         return {"wpack": (0 if single else panels(H), config.cell.gates, H, PANEL),
                 # padded to whole 16-sample panels: forward_single stores 16 rows at once
@@ -347,6 +350,10 @@ class FusedLayer:
 
     def forward(self, xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                 clip_lo, clip_hi, clip_flags):
+        if wpack.shape[0] != tiles.shape[0] or wpack.shape[0] != panels(hs.shape[3]):
+            raise ValueError(f"FusedLayer.forward: wpack {wpack.shape} and tiles "
+                             f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
+                             f"(T=1 scratch is forward_single's)")
         scalar = self.dtype.type
         with LAUNCH_LOCK:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,

@@ -74,8 +74,8 @@ def _project(a, wpack, c, spill):
     full = C // PANEL
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
-    # Few row chunks (a decoder step: T*N = 64) would leave a core idle: split the panels
-    # into groups so there are at least 8 work items.
+    # Few row chunks (T*N = 64: a short sequence of a small batch) would leave a core
+    # idle: split the panels into groups so there are at least 8 work items.
     groups = min(panels, max(1, -(-8 // chunks)))
     for item in prange(chunks * groups):
         chunk, group = item // groups, item % groups

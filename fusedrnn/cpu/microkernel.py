@@ -25,6 +25,16 @@ panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     c      address of C[0, 0]; C (rows, PANEL) with row stride ldc; overwritten with A @ B
     like   any scalar of the data's dtype (float32 or float64): picks the precision
     All three are of that dtype; C must not overlap A or the panel.
+
+panel_gemm_t(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
+    The same product, stored transposed: C (PANEL, rows) with row stride ldc >= rows gets
+    (A @ panel)^T, element (r, j) at c[j * ldc + r]. For a T=1 step (fused.py's
+    forward_single): A is raw weight rows, read in place, and the panel 16 samples of
+    the input as columns.
+
+Numba's disk cache checks only the timestamp of the file that holds a cached function,
+and the kernels of fused.py and gemm.py inline this file's code: after editing it, touch
+those files (or clear __pycache__) so they recompile.
 """
 from __future__ import annotations
 

@@ -230,15 +230,19 @@ def test_pack_recurrent_rows_layout(dtype, R):
 
 # -- (d) the T=1 form: forward_single -------------------------------------------------
 
+@pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
 @pytest.mark.parametrize("N", [1, 7, 17])       # 17: a second, mostly padded 16-sample panel
 @pytest.mark.parametrize("H", [1, 16, 17, 33])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N):
+def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N, lengths):
     """T=1 (a decoder step), 2 layers, bidirectional, through forward_single: inference,
-    training forward and all gradients equal the generic per-step path's."""
+    training forward and all gradients equal the generic per-step path's (with lengths:
+    all 1, the only valid ones, through the kernels' length checks)."""
     case, kw, heads = make_case(mode, T=1, N=N, I=I, H=H, L=2, D=2, dtype=dtype,
                                 seed=H * 10 + N + 1)
+    options = dict(sequence_length=np.ones(N, np.int64), use_sequence_length=True) \
+        if lengths else {}
     calls, real = [], FusedLayer.forward_single
 
     def counted(self, *args):
@@ -246,7 +250,7 @@ def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N):
         return real(self, *args)
 
     monkeypatch.setattr(FusedLayer, "forward_single", counted)
-    fused, generic = fused_and_generic(monkeypatch, case, kw, heads)
+    fused, generic = fused_and_generic(monkeypatch, case, kw, heads, **options)
     assert len(calls) == 2 * 2 * 2    # (inference + training) x layers x directions
     assert not any(np.isnan(a).any() for a in generic if a is not None)
     assert_same(fused, generic, TOL[dtype])
@@ -292,8 +296,15 @@ def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, recor
     saved = np.full((D, 1, N, spec.saved * H) if record else (0, 0, 0, 0), np.nan, dtype)
     config = RNNConfig(mode=mode, state_size=H, num_layers=1, input_size=K,
                        bidirectional=True)
-    scratch = {name: np.full(shape, np.nan, dtype)
-               for name, shape in FusedLayer.forward_scratch(config, 1, N).items()}
+    # One NaN buffer, each scratch array followed by a guard that must stay NaN.
+    shapes, guard = FusedLayer.forward_scratch(config, 1, N), 64
+    flat = np.full(sum(int(np.prod(v)) + guard for v in shapes.values()), np.nan, dtype)
+    scratch, guards, at = {}, [], 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        scratch[name] = flat[at:at + size].reshape(shape)
+        guards.append(flat[at + size:at + size + guard])
+        at += size + guard
 
     layer.forward_single(x, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch["tiles"],
                          scratch["x_cols"], scratch["h_cols"], np.empty(0, np.int64),
@@ -312,3 +323,4 @@ def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, recor
         assert np.isnan(cs[other]).all()
     if record:
         assert not np.isnan(saved[d]).any() and np.isnan(saved[other]).all()
+    assert all(np.isnan(g).all() for g in guards), "a write past a scratch array"
