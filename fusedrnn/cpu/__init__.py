@@ -5,7 +5,9 @@ import contextlib
 
 import numpy as np
 
-from . import threads  # noqa: F401  (picks a thread-safe Numba threading layer first)
+from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numba layer first)
+
+jitcache.install()   # before any kernel module: their cached kernels must see our locators
 from .cells import cell_kernels
 from .fused import fused_layer
 

@@ -32,9 +32,8 @@ panel_gemm_t(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     forward_single): A is raw weight rows, read in place, and the panel 16 samples of
     the input as columns.
 
-Numba's disk cache checks only the timestamp of the file that holds a cached function,
-and the kernels of fused.py and gemm.py inline this file's code: after editing it, touch
-those files (or clear __pycache__) so they recompile.
+The kernels of fused.py and gemm.py inline this file's code; jitcache.py makes an edit
+here retire their disk-cached machine code.
 """
 from __future__ import annotations
 

@@ -1,0 +1,83 @@
+"""Numba's disk cache for our kernels, made to notice edits to every file they compile in.
+
+Numba keys a cached kernel on the source of the one file that defines it (its content
+hash in numba 0.68, its timestamp in older releases) and on the kernel's own bytecode.
+Our kernels inline code from other files: fused.py and gemm.py compile in
+microkernel.py's register tiles, units.py's cell math, mathfn.py's functions, and the
+clip flags of ../recurrence.py. Edit one of those and Numba would load the old machine
+code from the cache: silently wrong results until someone clears __pycache__.
+
+So for kernels defined in this package we put our own cache locators first in Numba's
+list. They store the cache where Numba's own would (NUMBA_CACHE_DIR, else __pycache__,
+else the user-wide directory) and add to Numba's freshness stamp a digest of the
+content of every file in DEPENDENCIES: an edit to any of them retires every cached
+kernel of the package. A user who names the locators (NUMBA_CACHE_LOCATOR_CLASSES)
+keeps that choice.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+from numba.core import caching
+
+__all__ = ["DEPENDENCIES", "dependency_digest", "install"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The files whose code or constants a cached kernel of this package may compile in.
+DEPENDENCIES = tuple(sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE)
+                            if name.endswith(".py"))) + \
+    (os.path.join(os.path.dirname(_HERE), "recurrence.py"),)
+
+
+def dependency_digest(paths=DEPENDENCIES):
+    """sha256 over the names and contents of `paths`, recomputed when one's stat changes."""
+    stats = tuple((path, st.st_mtime_ns, st.st_size)
+                  for path, st in ((p, os.stat(p)) for p in paths))
+    return _digest(stats)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(stats):
+    h = hashlib.sha256()
+    for path, _, _ in stats:
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _ours(base):
+    """`base`, one of Numba's source-file locators, limited to this package's files and
+    with the dependency digest in its stamp."""
+
+    class Locator(base):
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if os.path.dirname(os.path.abspath(py_file)) != _HERE:
+                return None
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return super().get_source_stamp(), dependency_digest()
+
+    Locator.__name__ = Locator.__qualname__ = f"FusedRNN{base.__name__.lstrip('_')}"
+    return Locator
+
+
+def _numba_name(name):
+    """Numba 0.61 made these names public; older releases have them with a leading _."""
+    return getattr(caching, name, None) or getattr(caching, "_" + name)
+
+
+LOCATORS = tuple(_ours(_numba_name(name)) for name in
+                 ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"))
+
+
+def install():
+    """Put LOCATORS first in Numba's list (once). Must run before any kernel of this
+    package is decorated with cache=True: Numba picks a kernel's locator then."""
+    classes = _numba_name("CacheImpl")._locator_classes
+    if classes[:len(LOCATORS)] != list(LOCATORS):
+        classes[:0] = LOCATORS

@@ -1,0 +1,83 @@
+"""fusedrnn.cpu.jitcache: every cached kernel of the package gets our locator, the digest
+moves with any dependency's content, and, end to end in fresh processes on a copy of the
+package, an edit to microkernel.py retires the cached machine code of a kernel defined
+in another file (which Numba alone would keep loading)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+import fusedrnn
+from fusedrnn.cpu import cells, fused, gemm, jitcache
+
+
+def test_locators_come_first_and_install_is_idempotent():
+    from numba.core import caching
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+    jitcache.install()
+    jitcache.install()
+    assert impl._locator_classes[:len(jitcache.LOCATORS)] == list(jitcache.LOCATORS)
+    assert sum(c in jitcache.LOCATORS for c in impl._locator_classes) == len(jitcache.LOCATORS)
+
+
+def test_package_kernels_use_our_locator():
+    layer = fused.fused_layer("lstm", np.float32)
+    kernels = [gemm._project, gemm._pack_rows_at, fused._pack, fused._pack_rows,
+               layer._forward, layer._forward_single, layer._backward,
+               *(launch.kernel for launch in cells.cell_kernels("gru", np.float64))]
+    for kernel in kernels:
+        locator = kernel._cache._impl._locator
+        assert isinstance(locator, jitcache.LOCATORS), (kernel, type(locator))
+        assert locator.get_source_stamp()[1] == jitcache.dependency_digest()
+
+
+def test_digest_moves_with_each_dependency(tmp_path):
+    copies = []
+    for path in jitcache.DEPENDENCIES:
+        copy = tmp_path / os.path.basename(path)
+        shutil.copyfile(path, copy)
+        copies.append(str(copy))
+    assert jitcache.dependency_digest(copies) == jitcache.dependency_digest()
+    seen = {jitcache.dependency_digest(copies)}
+    for copy in copies:
+        with open(copy, "a") as f:
+            f.write("\n# an edit\n")
+        seen.add(jitcache.dependency_digest(copies))
+    assert len(seen) == len(copies) + 1
+    assert any(p.endswith(os.path.join("fusedrnn", "recurrence.py"))
+               for p in jitcache.DEPENDENCIES)
+    assert any(p.endswith("microkernel.py") for p in jitcache.DEPENDENCIES)
+
+
+PROBE = """
+import numpy as np
+from fusedrnn.cpu import gemm
+w = np.arange(12.0).reshape(3, 4)
+out = np.empty((1, 4, 16))
+gemm._pack_rows_at(w, 0, out)
+assert (out[0, :, :3] == w.T).all()
+stats = gemm._pack_rows_at.stats
+print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+"""
+
+
+def test_an_edit_to_an_inlined_file_retires_the_cache(tmp_path):
+    package = tmp_path / "fusedrnn"
+    shutil.copytree(os.path.dirname(fusedrnn.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def hits_and_misses():
+        out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return tuple(int(v) for v in out.stdout.split()[-2:])
+
+    assert hits_and_misses() == (0, 1)       # compiled and stored
+    assert hits_and_misses() == (1, 0)       # loaded
+    with open(package / "cpu" / "microkernel.py", "a") as f:
+        f.write("\n# an edit that Numba's own stamp of gemm.py would not see\n")
+    assert hits_and_misses() == (0, 1)       # retired, compiled again
+    assert hits_and_misses() == (1, 0)
