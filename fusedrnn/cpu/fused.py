@@ -131,7 +131,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
         all_active = lengths.shape[0] == 0
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
-        # the loop serially (measured: every fused call 2.5x slower).
+        # the loop serially (measured: every fused call 2.5x slower). Guarded by
+        # tests/cpu/test_parallel_regions.py.
         blocks = tiles.shape[0] if single_step else wpack.shape[0]
         if single_step:   # x and h_0 as columns, 16 samples per panel (serial: small)
             for p in range(x_cols.shape[0]):
