@@ -32,10 +32,14 @@ DEPENDENCIES = tuple(sorted(os.path.join(_HERE, name) for name in os.listdir(_HE
 
 
 def dependency_digest(paths=DEPENDENCIES):
-    """sha256 over the names and contents of `paths`, recomputed when one's stat changes."""
-    stats = tuple((path, st.st_mtime_ns, st.st_size)
-                  for path, st in ((p, os.stat(p)) for p in paths))
-    return _digest(stats)
+    """sha256 over the names and contents of `paths`, recomputed when one's stat changes;
+    None where a file cannot be read (a frozen application: its sources do not change)."""
+    try:
+        stats = tuple((path, st.st_mtime_ns, st.st_size)
+                      for path, st in ((p, os.stat(p)) for p in paths))
+        return _digest(stats)
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=8)

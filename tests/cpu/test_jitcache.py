@@ -49,6 +49,7 @@ def test_digest_moves_with_each_dependency(tmp_path):
     assert any(p.endswith(os.path.join("fusedrnn", "recurrence.py"))
                for p in jitcache.DEPENDENCIES)
     assert any(p.endswith("microkernel.py") for p in jitcache.DEPENDENCIES)
+    assert jitcache.dependency_digest([str(tmp_path / "missing.py")]) is None
 
 
 PROBE = """
