@@ -15,9 +15,15 @@ there by keeping W_h h in a cache-resident tile and skipping a second parallel r
 Numba cannot keep a tile of accumulators in vector registers on its own (its loop
 vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
 as LLVM IR through a Numba intrinsic: MR x (16 / lanes) vector accumulators, one
-broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one). With AVX2:
-float32 6 rows x 2 ymm, float64 3 rows x 4 ymm; 12 accumulators + panel + broadcast
-fit the 16 registers.
+broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one). With AVX2,
+float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors and a broadcast fit the
+16 registers. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
+accumulator on the stack. A spill-free float64 tile (6 rows x 2 ymm, two passes over
+the panel's halves) was tried on 2026-11-23. It raised bench/microkernel.py at 800
+columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300 N=20
+I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
+step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
+tile's arithmetic limits float64, so the simpler kernel stays.
 
 panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     a      address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
