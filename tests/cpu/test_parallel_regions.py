@@ -3,8 +3,8 @@
 Numba quietly runs a prange it cannot transform as a plain range (fa0b7e6: a conditional
 inside prange(...) made the fused forward serial, every call 2.5x slower, and every
 result still right). Results cannot show it, so this reads Numba's parfor diagnostics:
-each kernel, compiled afresh (diagnostics are not kept in the disk cache) for the
-first signature a few op calls gave it, must have a parallel loop on each of its prange lines.
+each kernel, compiled afresh (diagnostics are not kept in the disk cache) for the first
+signature a few op calls gave it, must have a parallel loop on each of its prange lines.
 """
 import inspect
 
@@ -33,6 +33,7 @@ def _exercise():
         out, handle = fusedrnn.RNN(x, params, h0, c0, state_size=H, num_layers=1, mode=MODE,
                                    projection_size=projection, train=True)
         fusedrnn.rnn_backward(handle, np.ones_like(out))
+
 
 def kernels():
     layer = fused.fused_layer(MODE, DTYPE)
