@@ -137,6 +137,18 @@ class RecurrentOp:
             packed[d * GH:(d + 1) * GH] = self.layout.view(params, layer, d, "W_x")
         return packed
 
+    def _project_input(self, layer, x, params):
+        """scratch.xproj = W_x x_t of every step and both directions, one GEMM: the fused
+        layer's own where it has one (cpu/gemm.py: why), else the backend's BLAS."""
+        T, N, D = self.T, self.N, self.config.directions
+        x2d = x.reshape(T * N, -1)
+        if self.fused is not None and self.fused.projects_input:
+            w_xs = [self.layout.view(params, layer, d, "W_x") for d in range(D)]
+            self.fused.project(x2d, w_xs, self.scratch.wx_panels, self.scratch.xproj,
+                               self.scratch.spill)
+        else:
+            self.xp.matmul(x2d, self._packed_wx(params, layer).T, out=self.scratch.xproj)
+
     def _steps(self, d):
         return range(self.T) if d == 0 else range(self.T - 1, -1, -1)
 
@@ -208,7 +220,7 @@ class RecurrentOp:
             self._fused_layer_forward(layer, x, params, h0, c0, y, opts, hs, cs, saved)
             return
         xproj = s.xproj.reshape(T, N, D * GH)
-        xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
+        self._project_input(layer, x, params)
         active, inactive = masks
         for d in range(D):
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
@@ -249,21 +261,15 @@ class RecurrentOp:
     def _fused_layer_forward(self, layer, x, params, h0, c0, y, opts, hs, cs, saved):
         """The backend's whole-layer loop (cpu/fused.py), one call per direction; at T=1
         its single-region form where it has one (FusedLayer.forward_single: why)."""
-        xp, cfg, T, N, s, lay = self.xp, self.config, self.T, self.N, self.scratch, self.layout
+        cfg, T, N, s, lay = self.config, self.T, self.N, self.scratch, self.layout
         D, GH = cfg.directions, cfg.gate_rows
         lengths = self.no_lengths if opts.lengths is None else opts.lengths
         record = s.no_record if saved is None else saved
         tail = (lengths, opts.clip_lo, opts.clip_hi, opts.clip_flags)
         single = T == 1 and self.fused.fuses_single_step
         xproj = s.xproj.reshape(T, N, D * GH)
-        if single:
-            pass
-        elif self.fused.projects_input:
-            self.fused.project(x.reshape(T * N, -1),
-                               [lay.view(params, layer, d, "W_x") for d in range(D)],
-                               s.wx_panels, s.xproj, s.spill)
-        else:
-            xp.matmul(x.reshape(T * N, -1), self._packed_wx(params, layer).T, out=s.xproj)
+        if not single:   # the T=1 form projects its input itself
+            self._project_input(layer, x, params)
         for d in range(D):
             self._initial_state(layer, d, h0, c0, hs, cs)
             w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
