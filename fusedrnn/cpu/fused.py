@@ -6,8 +6,10 @@ the cores back and forth between OpenBLAS's and Numba's threads. Here each step 
 Numba parallel region over blocks of 16 hidden units: a block multiplies h_{t-1} by
 its own pre-packed panels of W_h (microkernel.py), all G gates of its units, into a
 small tile that stays in cache, and applies the cell's pointwise math (units.py) to it
-at once. The next step starts when every block is done (the region's end is the
-barrier). No per-step Python, no allocation in the loop.
+at once. The step's other inputs (W_x x_t, biases, h_{t-1}, c_{t-1}) come into the tile,
+and the results go out, as 16-element vector rows (rows.py, which gives the measured
+cost of doing it element by element). The next step starts when every block is done
+(the region's end is the barrier). No per-step Python, no allocation in the loop.
 
 Used for every cell without a projection (the projected LSTM keeps the generic path).
 At T=1 (a decoder step) a second form of the same kernel, FusedLayer.forward_single,
@@ -46,6 +48,7 @@ from ..config import CELLS
 from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm, panel_gemm_t
+from .rows import row_add, row_add3, row_copy
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -130,6 +133,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
         has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
         all_active = lengths.shape[0] == 0
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
+        c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
+        like = zero_like(hs)
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
         # the loop serially (measured: every fused call 2.5x slower). Guarded by
         # tests/cpu/test_parallel_regions.py.
@@ -152,7 +157,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
                     if not single_step:
                         panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
                                    tile.ctypes.data + (_R + g) * PANEL * itemsize, row, H,
-                                   zero_like(hs))
+                                   like)
                         continue
                     # (W rows of this block's units) @ (16 samples as columns), stored
                     # transposed into the tile: the weights are read once, in place.
@@ -160,55 +165,67 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
                         c = tile.ctypes.data + p * PANEL * row * itemsize
                         panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K, width,
                                      x_cols[p].ctypes.data,
-                                     c + (_X + g) * PANEL * itemsize, row, K, zero_like(hs))
+                                     c + (_X + g) * PANEL * itemsize, row, K, like)
                         panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H, width,
                                      h_cols[p].ctypes.data,
-                                     c + (_R + g) * PANEL * itemsize, row, H, zero_like(hs))
+                                     c + (_R + g) * PANEL * itemsize, row, H, like)
                     for n in range(N):   # units past H (a partial block): defined zeros
                         for u in range(width, PANEL):
                             tile[n, (_R + g) * PANEL + u] = 0
                             tile[n, (_X + g) * PANEL + u] = 0
                 for n in range(N):
-                    active = all_active or t < lengths[n]
-                    if active:
-                        for u in range(width):      # gather this unit's inputs
-                            j = j0 + u
-                            for g in range(gates):
-                                tile[n, (_R + g) * PANEL + u] += bh[g * H + j]
-                                wx = tile[n, (_X + g) * PANEL + u] if single_step else \
-                                    xproj[t, n, x_col + g * H + j]
-                                tile[n, (_X + g) * PANEL + u] = wx + bx[g * H + j]
-                            tile[n, _HP * PANEL + u] = hs[d, prev, n, j]
-                            tile[n, _CP * PANEL + u] = cs[d, prev, n, j] if has_c else 0
-                        for u in range(PANEL):      # the cell, on the tile alone
-                            # Gates past the cell's count repeat its last; the unit ignores them.
-                            h, c, s0, s1, s2, s3 = forward_unit(
-                                mode,
-                                tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
-                                tile[n, (_X + min(2, last)) * PANEL + u],
-                                tile[n, (_X + last) * PANEL + u],
-                                tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
-                                tile[n, (_R + min(2, last)) * PANEL + u],
-                                tile[n, (_R + last) * PANEL + u],
-                                tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
-                                clip_lo, clip_hi, clip_flags)
-                            tile[n, _H * PANEL + u] = h
-                            tile[n, _C * PANEL + u] = c
-                            tile[n, _S * PANEL + u] = s0
-                            tile[n, (_S + 1) * PANEL + u] = s1
-                            tile[n, (_S + 2) * PANEL + u] = s2
-                            tile[n, (_S + 3) * PANEL + u] = s3
-                    for u in range(width):          # scatter (or carry, past the length)
-                        j = j0 + u
-                        h = tile[n, _H * PANEL + u] if active else hs[d, prev, n, j]
-                        hs[d, nxt, n, j] = h
-                        y[t, n, y_col + j] = h if active else 0
+                    # Addresses of this sample's rows (all arrays C-contiguous).
+                    trow = tile.ctypes.data + n * row * itemsize
+                    h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
+                    h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
+                    c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
+                    c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
+                    y_row = y.ctypes.data + ((t * N + n) * y.shape[2] + y_col + j0) * itemsize
+                    if not (all_active or t < lengths[n]):   # past its length: carry, y = 0
+                        row_copy(h_next, h_prev, width, like)
                         if has_c:
-                            cs[d, nxt, n, j] = tile[n, _C * PANEL + u] if active else \
-                                cs[d, prev, n, j]
-                        if record and active:
-                            for k in range(saved_width):
-                                saved[d, t, n, k * H + j] = tile[n, (_S + k) * PANEL + u]
+                            row_copy(c_next, c_prev, width, like)
+                        for u in range(width):
+                            y[t, n, y_col + j0 + u] = 0
+                        continue
+                    for g in range(gates):      # gather this block's inputs
+                        r_g = trow + (_R + g) * PANEL * itemsize
+                        x_g = trow + (_X + g) * PANEL * itemsize
+                        row_add(r_g, r_g, bh.ctypes.data + (g * H + j0) * itemsize, width, like)
+                        x_in = x_g if single_step else xproj.ctypes.data + (
+                            (t * N + n) * xproj.shape[2] + x_col + g * H + j0) * itemsize
+                        row_add(x_g, x_in, bx.ctypes.data + (g * H + j0) * itemsize, width, like)
+                    row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
+                    if has_c:   # (the other cells never read c_prev)
+                        row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
+                    for u in range(PANEL):      # the cell, on the tile alone
+                        # Gates past the cell's count repeat its last; the unit ignores them.
+                        h, c, s0, s1, s2, s3 = forward_unit(
+                            mode,
+                            tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
+                            tile[n, (_X + min(2, last)) * PANEL + u],
+                            tile[n, (_X + last) * PANEL + u],
+                            tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
+                            tile[n, (_R + min(2, last)) * PANEL + u],
+                            tile[n, (_R + last) * PANEL + u],
+                            tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
+                            clip_lo, clip_hi, clip_flags)
+                        tile[n, _H * PANEL + u] = h
+                        tile[n, _C * PANEL + u] = c
+                        tile[n, _S * PANEL + u] = s0
+                        tile[n, (_S + 1) * PANEL + u] = s1
+                        tile[n, (_S + 2) * PANEL + u] = s2
+                        tile[n, (_S + 3) * PANEL + u] = s3
+                    h_new = trow + _H * PANEL * itemsize      # scatter
+                    row_copy(h_next, h_new, width, like)
+                    row_copy(y_row, h_new, width, like)
+                    if has_c:
+                        row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
+                    if record:
+                        for k in range(saved_width):
+                            row_copy(saved.ctypes.data + (((d * T + t) * N + n) * saved.shape[3]
+                                                          + k * H + j0) * itemsize,
+                                     trow + (_S + k) * PANEL * itemsize, width, like)
 
     return nb.njit(parallel=True, cache=True, nogil=True)(layer_forward)
 
@@ -229,6 +246,9 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
         has_c, split = cs.shape[3] != 0, dgh.shape[2] != 0
         all_active = lengths.shape[0] == 0
         lda = dgh.shape[2] if split else dgx.shape[2]
+        h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
+        c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
+        like = zero_like(dgx)
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
         for step in range(T):
             t = T - 1 - step if d == 0 else step           # forward order reversed
@@ -242,58 +262,68 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
                 if step > 0:   # dh_rec = dg_later @ W_h for this block's units
                     panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
                                wpack_rows[b].ctypes.data, tile.ctypes.data, row, GH,
-                               zero_like(dgx))
+                               like)
                 else:
                     for n in range(N):
-                        for u in range(width):
-                            tile[n, u] = dh_rec0[n, j0 + u]
+                        row_copy(tile.ctypes.data + n * row * itemsize,
+                                 dh_rec0.ctypes.data + (n * H + j0) * itemsize, width, like)
                 for n in range(N):
-                    if all_active or t < lengths[n]:
-                        for u in range(width):
-                            j = j0 + u
-                            tile[n, _DH * PANEL + u] = tile[n, u] + dy[t, n, y_col + j] + \
-                                dh_carry[n, j]
-                            tile[n, _DC * PANEL + u] = dc_carry[n, j] if has_c else 0
-                            for k in range(saved_width):
-                                tile[n, (_SV + k) * PANEL + u] = saved[d, t, n, k * H + j]
-                            tile[n, _HPB * PANEL + u] = hs[d, prev, n, j]
-                            tile[n, _CPB * PANEL + u] = cs[d, prev, n, j] if has_c else 0
-                            tile[n, _CT * PANEL + u] = cs[d, nxt, n, j] if has_c else 0
-                        for u in range(PANEL):      # the cell, on the tile alone
-                            dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
-                                mode,
-                                tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
-                                tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
-                                tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
-                                tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
-                                tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
-                            tile[n, _DX * PANEL + u] = dx0
-                            tile[n, (_DX + 1) * PANEL + u] = dx1
-                            tile[n, (_DX + 2) * PANEL + u] = dx2
-                            tile[n, (_DX + 3) * PANEL + u] = dx3
-                            tile[n, _SV * PANEL + u] = dr0
-                            tile[n, (_SV + 1) * PANEL + u] = dr1
-                            tile[n, (_SV + 2) * PANEL + u] = dr2
-                            tile[n, (_SV + 3) * PANEL + u] = dr3
-                            tile[n, _DHC * PANEL + u] = dhc
-                            tile[n, _DCC * PANEL + u] = dcc
-                        for u in range(width):      # scatter
-                            j = j0 + u
-                            for g in range(gates):
-                                dgx[t, n, col + g * H + j] = tile[n, (_DX + g) * PANEL + u]
+                    # Addresses of this sample's rows (all arrays C-contiguous).
+                    trow = tile.ctypes.data + n * row * itemsize
+                    dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
+                    dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
+                    dgx_n = dgx.ctypes.data + ((t * N + n) * dgx.shape[2] + col + j0) * itemsize
+                    dgh_n = dgh.ctypes.data + ((t * N + n) * dgh.shape[2] + col + j0) * itemsize
+                    if not (all_active or t < lengths[n]):
+                        # Past this sample's length: no gate gradient, dh and dc pass on.
+                        for g in range(gates):
+                            for u in range(width):
+                                dgx[t, n, col + g * H + j0 + u] = 0
                                 if split:
-                                    dgh[t, n, col + g * H + j] = tile[n, (_SV + g) * PANEL + u]
-                            dh_carry[n, j] = tile[n, _DHC * PANEL + u]
-                            if has_c:
-                                dc_carry[n, j] = tile[n, _DCC * PANEL + u]
-                    else:   # past this sample's length: no gate gradient, dh and dc pass on
-                        for u in range(width):
-                            j = j0 + u
-                            for g in range(gates):
-                                dgx[t, n, col + g * H + j] = 0
-                                if split:
-                                    dgh[t, n, col + g * H + j] = 0
-                            dh_carry[n, j] += tile[n, u]
+                                    dgh[t, n, col + g * H + j0 + u] = 0
+                        row_add(dh_carry_n, dh_carry_n, trow, width, like)
+                        continue
+                    dy_n = dy.ctypes.data + ((t * N + n) * dy.shape[2] + y_col + j0) * itemsize
+                    row_add3(trow + _DH * PANEL * itemsize, trow, dy_n, dh_carry_n, width, like)
+                    for k in range(saved_width):
+                        row_copy(trow + (_SV + k) * PANEL * itemsize, saved.ctypes.data + (
+                            ((d * T + t) * N + n) * saved.shape[3] + k * H + j0) * itemsize,
+                            width, like)
+                    row_copy(trow + _HPB * PANEL * itemsize,
+                             h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                    if has_c:   # (the other cells never read these)
+                        row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
+                        row_copy(trow + _CPB * PANEL * itemsize,
+                                 c_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                        row_copy(trow + _CT * PANEL * itemsize,
+                                 c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
+                    for u in range(PANEL):      # the cell, on the tile alone
+                        dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
+                            mode,
+                            tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
+                            tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
+                            tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
+                            tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
+                            tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
+                        tile[n, _DX * PANEL + u] = dx0
+                        tile[n, (_DX + 1) * PANEL + u] = dx1
+                        tile[n, (_DX + 2) * PANEL + u] = dx2
+                        tile[n, (_DX + 3) * PANEL + u] = dx3
+                        tile[n, _SV * PANEL + u] = dr0
+                        tile[n, (_SV + 1) * PANEL + u] = dr1
+                        tile[n, (_SV + 2) * PANEL + u] = dr2
+                        tile[n, (_SV + 3) * PANEL + u] = dr3
+                        tile[n, _DHC * PANEL + u] = dhc
+                        tile[n, _DCC * PANEL + u] = dcc
+                    for g in range(gates):          # scatter
+                        row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
+                                 width, like)
+                        if split:
+                            row_copy(dgh_n + g * H * itemsize,
+                                     trow + (_SV + g) * PANEL * itemsize, width, like)
+                    row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
+                    if has_c:
+                        row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
 
     return nb.njit(parallel=True, cache=True, nogil=True)(layer_backward)
 
