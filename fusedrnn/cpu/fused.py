@@ -2,14 +2,15 @@
 
 The generic driver (recurrence.py) runs two parallel regions per step: numpy's BLAS
 for h_{t-1} @ W_h^T (which re-packs W_h on every call), then the cell kernel, handing
-the cores back and forth between OpenBLAS's and Numba's threads. Here each step is one
-Numba parallel region over blocks of 16 hidden units: a block multiplies h_{t-1} by
+the cores back and forth between OpenBLAS's and Numba's threads. Here the whole loop is
+one Numba parallel region whose workers walk the steps together, sharing each step's
+blocks of 16 hidden units (workshare.py: claims, a spin barrier at each step's end, and
+the measured cost of the region per step it replaces). A block multiplies h_{t-1} by
 its own pre-packed panels of W_h (microkernel.py), all G gates of its units, into a
 small tile that stays in cache, and applies the cell's pointwise math (units.py) to it
 at once. The step's other inputs (W_x x_t, biases, h_{t-1}, c_{t-1}) come into the tile,
 and the results go out, as 16-element vector rows (rows.py, which gives the measured
-cost of doing it element by element). The next step starts when every block is done
-(the region's end is the barrier). No per-step Python, no allocation in the loop.
+cost of doing it element by element). No per-step Python, no allocation in the loop.
 
 Used for every cell without a projection (the projected LSTM keeps the generic path).
 At T=1 (a decoder step) a second form of the same kernel, FusedLayer.forward_single,
@@ -17,7 +18,7 @@ does the whole layer-direction in one region with the weights read in place: the
 each weight is used once and packing it would cost more than the product.
 
 layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-              clip_lo, clip_hi, clip_flags)
+              clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters, workers)
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
@@ -32,9 +33,11 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     lengths (N,) int64      in   per-sample lengths, (0,) for all T: inactive steps carry
                                  the state and write 0 to y
     clip_*                       LSTM cell-state clipping, in the data's dtype (cells.py)
-    All arrays C-contiguous and of one dtype (lengths excepted); no two overlap.
-    The compiled function takes five more arguments, x, w_x, w_h, x_cols, h_cols: empty
-    here, the T=1 form's inputs there (FusedLayer.forward_single documents them).
+    x, w_x, w_h, x_cols, h_cols   empty here; the T=1 form's inputs there
+                                 (FusedLayer.forward_single documents them)
+    counters (T, stride) int64   scratch, zero on entry (workshare.py's layout)
+    workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
+    All arrays C-contiguous and of one dtype (lengths, counters excepted); no two overlap.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm, panel_gemm_t
 from .rows import row_add, row_add3, row_copy
+from .workshare import claim, counter_stride, finish
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -126,7 +130,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
     row = TILE_GROUPS * PANEL
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols):
+                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters,
+                      workers):
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         K = x.shape[1]
         x_col, y_col = d * gates * H, d * H
@@ -144,88 +149,98 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
                 _pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
                 _pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
                             h_cols[p])
-        for step in range(T):
-            t = step if d == 0 else T - 1 - step
-            prev = t if d == 0 else t + 1
-            nxt = t + 1 if d == 0 else t
-            h_prev_addr = h_rows + prev * N * H * itemsize
-            for b in prange(blocks):
-                tile = tiles[b]
-                j0 = b * PANEL
-                width = min(PANEL, H - j0)
-                for g in range(gates):
-                    if not single_step:
-                        panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
-                                   tile.ctypes.data + (_R + g) * PANEL * itemsize, row, H,
-                                   like)
-                        continue
-                    # (W rows of this block's units) @ (16 samples as columns), stored
-                    # transposed into the tile: the weights are read once, in place.
-                    for p in range(x_cols.shape[0]):
-                        c = tile.ctypes.data + p * PANEL * row * itemsize
-                        panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K, width,
-                                     x_cols[p].ctypes.data,
-                                     c + (_X + g) * PANEL * itemsize, row, K, like)
-                        panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H, width,
-                                     h_cols[p].ctypes.data,
-                                     c + (_R + g) * PANEL * itemsize, row, H, like)
-                    for n in range(N):   # units past H (a partial block): defined zeros
-                        for u in range(width, PANEL):
-                            tile[n, (_R + g) * PANEL + u] = 0
-                            tile[n, (_X + g) * PANEL + u] = 0
-                for n in range(N):
-                    # Addresses of this sample's rows (all arrays C-contiguous).
-                    trow = tile.ctypes.data + n * row * itemsize
-                    h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
-                    h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
-                    c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
-                    c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
-                    y_row = y.ctypes.data + ((t * N + n) * y.shape[2] + y_col + j0) * itemsize
-                    if not (all_active or t < lengths[n]):   # past its length: carry, y = 0
-                        row_copy(h_next, h_prev, width, like)
+        for worker in prange(workers):   # each walks every step (workshare.py)
+            for step in range(T):
+                t = step if d == 0 else T - 1 - step
+                prev = t if d == 0 else t + 1
+                nxt = t + 1 if d == 0 else t
+                h_prev_addr = h_rows + prev * N * H * itemsize
+                done = 0
+                while True:
+                    b = claim(counters, step, worker, workers, blocks)
+                    if b < 0:
+                        break
+                    done += 1
+                    tile = tiles[b]
+                    j0 = b * PANEL
+                    width = min(PANEL, H - j0)
+                    for g in range(gates):
+                        if not single_step:
+                            panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
+                                       tile.ctypes.data + (_R + g) * PANEL * itemsize, row,
+                                       H, like)
+                            continue
+                        # (W rows of this block's units) @ (16 samples as columns), stored
+                        # transposed into the tile: the weights are read once, in place.
+                        for p in range(x_cols.shape[0]):
+                            c = tile.ctypes.data + p * PANEL * row * itemsize
+                            panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K, width,
+                                         x_cols[p].ctypes.data,
+                                         c + (_X + g) * PANEL * itemsize, row, K, like)
+                            panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H, width,
+                                         h_cols[p].ctypes.data,
+                                         c + (_R + g) * PANEL * itemsize, row, H, like)
+                        for n in range(N):   # units past H (a partial block): defined zeros
+                            for u in range(width, PANEL):
+                                tile[n, (_R + g) * PANEL + u] = 0
+                                tile[n, (_X + g) * PANEL + u] = 0
+                    for n in range(N):
+                        # Addresses of this sample's rows (all arrays C-contiguous).
+                        trow = tile.ctypes.data + n * row * itemsize
+                        h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
+                        h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
+                        c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
+                        c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
+                        sample = t * N + n
+                        y_row = y.ctypes.data + (sample * y.shape[2] + y_col + j0) * itemsize
+                        if not (all_active or t < lengths[n]):   # past its length: carry, y = 0
+                            row_copy(h_next, h_prev, width, like)
+                            if has_c:
+                                row_copy(c_next, c_prev, width, like)
+                            for u in range(width):
+                                y[t, n, y_col + j0 + u] = 0
+                            continue
+                        for g in range(gates):      # gather this block's inputs
+                            r_g = trow + (_R + g) * PANEL * itemsize
+                            x_g = trow + (_X + g) * PANEL * itemsize
+                            unit = g * H + j0
+                            row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width, like)
+                            x_in = x_g if single_step else xproj.ctypes.data + (
+                                sample * xproj.shape[2] + x_col + unit) * itemsize
+                            row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
+                        row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
+                        if has_c:   # (the other cells never read c_prev)
+                            row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
+                        for u in range(PANEL):      # the cell, on the tile alone
+                            # Gates past the cell's count repeat its last; the unit ignores them.
+                            h, c, s0, s1, s2, s3 = forward_unit(
+                                mode,
+                                tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
+                                tile[n, (_X + min(2, last)) * PANEL + u],
+                                tile[n, (_X + last) * PANEL + u],
+                                tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
+                                tile[n, (_R + min(2, last)) * PANEL + u],
+                                tile[n, (_R + last) * PANEL + u],
+                                tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
+                                clip_lo, clip_hi, clip_flags)
+                            tile[n, _H * PANEL + u] = h
+                            tile[n, _C * PANEL + u] = c
+                            tile[n, _S * PANEL + u] = s0
+                            tile[n, (_S + 1) * PANEL + u] = s1
+                            tile[n, (_S + 2) * PANEL + u] = s2
+                            tile[n, (_S + 3) * PANEL + u] = s3
+                        h_new = trow + _H * PANEL * itemsize      # scatter
+                        row_copy(h_next, h_new, width, like)
+                        row_copy(y_row, h_new, width, like)
                         if has_c:
-                            row_copy(c_next, c_prev, width, like)
-                        for u in range(width):
-                            y[t, n, y_col + j0 + u] = 0
-                        continue
-                    for g in range(gates):      # gather this block's inputs
-                        r_g = trow + (_R + g) * PANEL * itemsize
-                        x_g = trow + (_X + g) * PANEL * itemsize
-                        row_add(r_g, r_g, bh.ctypes.data + (g * H + j0) * itemsize, width, like)
-                        x_in = x_g if single_step else xproj.ctypes.data + (
-                            (t * N + n) * xproj.shape[2] + x_col + g * H + j0) * itemsize
-                        row_add(x_g, x_in, bx.ctypes.data + (g * H + j0) * itemsize, width, like)
-                    row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
-                    if has_c:   # (the other cells never read c_prev)
-                        row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
-                    for u in range(PANEL):      # the cell, on the tile alone
-                        # Gates past the cell's count repeat its last; the unit ignores them.
-                        h, c, s0, s1, s2, s3 = forward_unit(
-                            mode,
-                            tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
-                            tile[n, (_X + min(2, last)) * PANEL + u],
-                            tile[n, (_X + last) * PANEL + u],
-                            tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
-                            tile[n, (_R + min(2, last)) * PANEL + u],
-                            tile[n, (_R + last) * PANEL + u],
-                            tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
-                            clip_lo, clip_hi, clip_flags)
-                        tile[n, _H * PANEL + u] = h
-                        tile[n, _C * PANEL + u] = c
-                        tile[n, _S * PANEL + u] = s0
-                        tile[n, (_S + 1) * PANEL + u] = s1
-                        tile[n, (_S + 2) * PANEL + u] = s2
-                        tile[n, (_S + 3) * PANEL + u] = s3
-                    h_new = trow + _H * PANEL * itemsize      # scatter
-                    row_copy(h_next, h_new, width, like)
-                    row_copy(y_row, h_new, width, like)
-                    if has_c:
-                        row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
-                    if record:
-                        for k in range(saved_width):
-                            row_copy(saved.ctypes.data + (((d * T + t) * N + n) * saved.shape[3]
-                                                          + k * H + j0) * itemsize,
-                                     trow + (_S + k) * PANEL * itemsize, width, like)
+                            row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
+                        if record:
+                            rec = saved.ctypes.data + (
+                                (d * T * N + sample) * saved.shape[3] + j0) * itemsize
+                            for k in range(saved_width):
+                                row_copy(rec + k * H * itemsize,
+                                         trow + (_S + k) * PANEL * itemsize, width, like)
+                finish(counters, step, done, blocks)
 
     return nb.njit(parallel=True, cache=True, nogil=True)(layer_forward)
 
@@ -239,7 +254,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
     _DHR, _DH, _DC, _SV, _HPB, _CPB, _CT, _DX, _DHC, _DCC = 0, 1, 2, 3, 7, 8, 9, 10, 14, 15
 
     def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags):
+                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, counters,
+                       workers):
         T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
         GH = gates * H
         col, y_col = d * GH, d * H
@@ -250,82 +266,100 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
         like = zero_like(dgx)
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
-        for step in range(T):
-            t = T - 1 - step if d == 0 else step           # forward order reversed
-            later = t + 1 if d == 0 else t - 1             # the step processed just before
-            prev = t if d == 0 else t + 1
-            nxt = t + 1 if d == 0 else t
-            for b in prange(wpack_rows.shape[0]):
-                tile = tiles[b]
-                j0 = b * PANEL
-                width = min(PANEL, H - j0)
-                if step > 0:   # dh_rec = dg_later @ W_h for this block's units
-                    panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
-                               wpack_rows[b].ctypes.data, tile.ctypes.data, row, GH,
-                               like)
-                else:
+        blocks = wpack_rows.shape[0]
+        for worker in prange(workers):   # each walks every step (workshare.py)
+            for step in range(T):
+                t = T - 1 - step if d == 0 else step           # forward order reversed
+                later = t + 1 if d == 0 else t - 1             # the step processed just before
+                prev = t if d == 0 else t + 1
+                nxt = t + 1 if d == 0 else t
+                done = 0
+                while True:
+                    b = claim(counters, step, worker, workers, blocks)
+                    if b < 0:
+                        break
+                    done += 1
+                    tile = tiles[b]
+                    j0 = b * PANEL
+                    width = min(PANEL, H - j0)
+                    if step > 0:   # dh_rec = dg_later @ W_h for this block's units
+                        panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
+                                   wpack_rows[b].ctypes.data, tile.ctypes.data, row, GH,
+                                   like)
+                    else:
+                        for n in range(N):
+                            row_copy(tile.ctypes.data + n * row * itemsize,
+                                     dh_rec0.ctypes.data + (n * H + j0) * itemsize, width, like)
                     for n in range(N):
-                        row_copy(tile.ctypes.data + n * row * itemsize,
-                                 dh_rec0.ctypes.data + (n * H + j0) * itemsize, width, like)
-                for n in range(N):
-                    # Addresses of this sample's rows (all arrays C-contiguous).
-                    trow = tile.ctypes.data + n * row * itemsize
-                    dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
-                    dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
-                    dgx_n = dgx.ctypes.data + ((t * N + n) * dgx.shape[2] + col + j0) * itemsize
-                    dgh_n = dgh.ctypes.data + ((t * N + n) * dgh.shape[2] + col + j0) * itemsize
-                    if not (all_active or t < lengths[n]):
-                        # Past this sample's length: no gate gradient, dh and dc pass on.
-                        for g in range(gates):
-                            for u in range(width):
-                                dgx[t, n, col + g * H + j0 + u] = 0
-                                if split:
-                                    dgh[t, n, col + g * H + j0 + u] = 0
-                        row_add(dh_carry_n, dh_carry_n, trow, width, like)
-                        continue
-                    dy_n = dy.ctypes.data + ((t * N + n) * dy.shape[2] + y_col + j0) * itemsize
-                    row_add3(trow + _DH * PANEL * itemsize, trow, dy_n, dh_carry_n, width, like)
-                    for k in range(saved_width):
-                        row_copy(trow + (_SV + k) * PANEL * itemsize, saved.ctypes.data + (
-                            ((d * T + t) * N + n) * saved.shape[3] + k * H + j0) * itemsize,
-                            width, like)
-                    row_copy(trow + _HPB * PANEL * itemsize,
-                             h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
-                    if has_c:   # (the other cells never read these)
-                        row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
-                        row_copy(trow + _CPB * PANEL * itemsize,
-                                 c_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
-                        row_copy(trow + _CT * PANEL * itemsize,
-                                 c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
-                    for u in range(PANEL):      # the cell, on the tile alone
-                        dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
-                            mode,
-                            tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
-                            tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
-                            tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
-                            tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
-                            tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
-                        tile[n, _DX * PANEL + u] = dx0
-                        tile[n, (_DX + 1) * PANEL + u] = dx1
-                        tile[n, (_DX + 2) * PANEL + u] = dx2
-                        tile[n, (_DX + 3) * PANEL + u] = dx3
-                        tile[n, _SV * PANEL + u] = dr0
-                        tile[n, (_SV + 1) * PANEL + u] = dr1
-                        tile[n, (_SV + 2) * PANEL + u] = dr2
-                        tile[n, (_SV + 3) * PANEL + u] = dr3
-                        tile[n, _DHC * PANEL + u] = dhc
-                        tile[n, _DCC * PANEL + u] = dcc
-                    for g in range(gates):          # scatter
-                        row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
-                                 width, like)
-                        if split:
-                            row_copy(dgh_n + g * H * itemsize,
-                                     trow + (_SV + g) * PANEL * itemsize, width, like)
-                    row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
-                    if has_c:
-                        row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
+                        # Addresses of this sample's rows (all arrays C-contiguous).
+                        trow = tile.ctypes.data + n * row * itemsize
+                        sample = t * N + n
+                        dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
+                        dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
+                        dgx_n = dgx.ctypes.data + (sample * dgx.shape[2] + col + j0) * itemsize
+                        dgh_n = dgh.ctypes.data + (sample * dgh.shape[2] + col + j0) * itemsize
+                        if not (all_active or t < lengths[n]):
+                            # Past this sample's length: no gate gradient, dh and dc pass on.
+                            for g in range(gates):
+                                for u in range(width):
+                                    dgx[t, n, col + g * H + j0 + u] = 0
+                                    if split:
+                                        dgh[t, n, col + g * H + j0 + u] = 0
+                            row_add(dh_carry_n, dh_carry_n, trow, width, like)
+                            continue
+                        dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
+                        row_add3(trow + _DH * PANEL * itemsize, trow, dy_n, dh_carry_n, width,
+                                 like)
+                        rec = saved.ctypes.data + (
+                            (d * T * N + sample) * saved.shape[3] + j0) * itemsize
+                        for k in range(saved_width):
+                            row_copy(trow + (_SV + k) * PANEL * itemsize, rec + k * H * itemsize,
+                                     width, like)
+                        row_copy(trow + _HPB * PANEL * itemsize,
+                                 h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                        if has_c:   # (the other cells never read these)
+                            row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
+                            row_copy(trow + _CPB * PANEL * itemsize,
+                                     c_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                            row_copy(trow + _CT * PANEL * itemsize,
+                                     c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
+                        for u in range(PANEL):      # the cell, on the tile alone
+                            dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
+                                mode,
+                                tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
+                                tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
+                                tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
+                                tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
+                                tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
+                            tile[n, _DX * PANEL + u] = dx0
+                            tile[n, (_DX + 1) * PANEL + u] = dx1
+                            tile[n, (_DX + 2) * PANEL + u] = dx2
+                            tile[n, (_DX + 3) * PANEL + u] = dx3
+                            tile[n, _SV * PANEL + u] = dr0
+                            tile[n, (_SV + 1) * PANEL + u] = dr1
+                            tile[n, (_SV + 2) * PANEL + u] = dr2
+                            tile[n, (_SV + 3) * PANEL + u] = dr3
+                            tile[n, _DHC * PANEL + u] = dhc
+                            tile[n, _DCC * PANEL + u] = dcc
+                        for g in range(gates):          # scatter
+                            row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
+                                     width, like)
+                            if split:
+                                row_copy(dgh_n + g * H * itemsize,
+                                         trow + (_SV + g) * PANEL * itemsize, width, like)
+                        row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
+                        if has_c:
+                            row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
+                finish(counters, step, done, blocks)
 
     return nb.njit(parallel=True, cache=True, nogil=True)(layer_backward)
+
+
+def _workshare(steps, blocks):
+    """(counters, workers) for one launch (workshare.py): as many workers as the calling
+    thread's Numba thread count, at most one per block."""
+    workers = max(1, min(nb.get_num_threads(), blocks))
+    return np.zeros((steps, counter_stride(workers)), np.int64), workers
 
 
 class FusedLayer:
@@ -389,11 +423,12 @@ class FusedLayer:
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
         scalar = self.dtype.type
+        share = _workshare(hs.shape[1] - 1, wpack.shape[0])
         with LAUNCH_LOCK:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
                           self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels)
+                          self._no_panels, *share)
 
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, tiles, x_cols,
                        h_cols, lengths, clip_lo, clip_hi, clip_flags):
@@ -415,13 +450,14 @@ class FusedLayer:
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
         scalar = self.dtype.type
         K = x2d.shape[1]
+        share = _workshare(1, tiles.shape[0])
         with LAUNCH_LOCK:
             self._forward_single(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved,
                                  tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags,
                                  np.ascontiguousarray(x2d), np.ascontiguousarray(w_x),
                                  np.ascontiguousarray(w_h),
                                  x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
-                                 h_cols)
+                                 h_cols, *share)
 
     def pack_rows(self, w_h, out):
         return pack_recurrent_rows(w_h, out)
@@ -444,10 +480,11 @@ class FusedLayer:
         On exit dh_0 = dg_first @ W_h + dh_carry, where dg_first is dgh (or dgx) at the
         direction's first step; the caller runs that last GEMM."""
         scalar = self.dtype.type
+        share = _workshare(dy.shape[0], wpack_rows.shape[0])
         with LAUNCH_LOCK:
             self._backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
                            dc_carry, tiles, lengths, scalar(clip_lo), scalar(clip_hi),
-                           clip_flags)
+                           clip_flags, *share)
 
 
 _layers: dict = {}
