@@ -365,12 +365,18 @@ def _workshare(steps, blocks):
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
 
-    projects_input = True   # project() replaces the driver's input GEMM (gemm.py: why)
     fuses_single_step = True   # forward_single() serves T=1
 
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
+        # Whether project() replaces the driver's input GEMM: in float32, yes (gemm.py
+        # says why). In float64 numpy's dgemm wins even with its threads left spinning
+        # against the loop: measured through the op, T=300 N=20 I=H=800, median of 7
+        # interleaved, ours against numpy's: rnn_relu 452 / 392 ms, GRU 1333 / 1057,
+        # LSTM 1833 / 1488, LSTM training 4186 / 3781 (float32: rnn_relu 118 / 175,
+        # GRU 313 / 371, LSTM 401 / 455).
+        self.projects_input = self.dtype == np.float32
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))
@@ -384,23 +390,24 @@ class FusedLayer:
     def pack(self, w_h, out):
         return pack_recurrent(w_h, self.gates, out)
 
-    @classmethod
-    def forward_scratch(cls, config, steps, batch):
+    def forward_scratch(self, config, steps, batch):
         """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
-        the packed input weights of both directions (flat) and project()'s spill tiles.
+        and where project() serves, the packed input weights of both directions (flat)
+        and its spill tiles.
         For T = 1 (forward_single): the tiles padded to whole 16-sample panels and the
         layer input and h_0 as 16-sample columns (x_cols flat, for any layer's K); the
         others are empty."""
         H, GH, D = config.state_size, config.gate_rows, config.directions
         max_in = max(config.layer_input_size(layer) for layer in range(config.num_layers))
-        single = steps == 1 and cls.fuses_single_step   # the driver's rule
+        single = steps == 1 and self.fuses_single_step   # the driver's rule
+        projects = self.projects_input and not single
         columns = -(-batch // PANEL)
         return {"wpack": (0 if single else panels(H), config.cell.gates, H, PANEL),
                 # padded to whole 16-sample panels: forward_single stores 16 rows at once
                 "tiles": (panels(H), columns * PANEL if single else batch,
                           TILE_GROUPS * PANEL),
-                "wx_panels": (0 if single else panels(D * GH) * max_in * PANEL,),
-                "spill": (0 if single else -(-steps * batch // CHUNK), CHUNK, PANEL),
+                "wx_panels": (panels(D * GH) * max_in * PANEL if projects else 0,),
+                "spill": (-(-steps * batch // CHUNK) if projects else 0, CHUNK, PANEL),
                 "x_cols": ((columns * max_in * PANEL) if single else 0,),   # flat: any K
                 "h_cols": (columns if single else 0, H, PANEL)}
 

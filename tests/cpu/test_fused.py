@@ -197,6 +197,26 @@ def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, 
         assert np.isnan(saved[other]).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
+    """float32 projects on the micro-kernel (project() runs, its panels are carved);
+    float64 leaves the GEMM to numpy (project() never runs, no panels carved)."""
+    layer = fused_layer("gru", dtype)
+    config = RNNConfig(mode="gru", state_size=20, num_layers=2, input_size=9,
+                       bidirectional=True)
+    shapes = layer.forward_scratch(config, 5, 3)
+    own = dtype == np.float32
+    assert layer.projects_input is own
+    assert bool(np.prod(shapes["wx_panels"])) == own and bool(np.prod(shapes["spill"])) == own
+    calls, real = [], FusedLayer.project
+    monkeypatch.setattr(FusedLayer, "project",
+                        lambda self, *args: calls.append(1) or real(self, *args))
+    case, kw, _ = make_case("gru", T=5, N=3, I=9, H=20, L=2, D=2, dtype=dtype)
+    fusedrnn.clear_cache()
+    fusedrnn.RNN(**case, **kw)
+    assert len(calls) == (2 if own else 0)   # one per layer
+
+
 # -- (c) packing layouts --------------------------------------------------------------
 
 @pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
@@ -297,7 +317,7 @@ def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, recor
     config = RNNConfig(mode=mode, state_size=H, num_layers=1, input_size=K,
                        bidirectional=True)
     # One NaN buffer, each scratch array followed by a guard that must stay NaN.
-    shapes, guard = FusedLayer.forward_scratch(config, 1, N), 64
+    shapes, guard = layer.forward_scratch(config, 1, N), 64
     flat = np.full(sum(int(np.prod(v)) + guard for v in shapes.values()), np.nan, dtype)
     scratch, guards, at = {}, [], 0
     for name, shape in shapes.items():
