@@ -35,7 +35,7 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     clip_*                       LSTM cell-state clipping, in the data's dtype (cells.py)
     x, w_x, w_h, x_cols, h_cols   empty here; the T=1 form's inputs there
                                  (FusedLayer.forward_single documents them)
-    counters (T, stride) int64   scratch, zero on entry (workshare.py's layout)
+    counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All arrays C-contiguous and of one dtype (lengths, counters excepted); no two overlap.
 """
@@ -52,7 +52,7 @@ from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm, panel_gemm_t
 from .rows import row_add, row_add3, row_copy
-from .workshare import claim, counter_stride, finish
+from .workshare import claim, finish, new_counters
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -359,7 +359,7 @@ def _workshare(steps, blocks):
     """(counters, workers) for one launch (workshare.py): as many workers as the calling
     thread's Numba thread count, at most one per block."""
     workers = max(1, min(nb.get_num_threads(), blocks))
-    return np.zeros((steps, counter_stride(workers)), np.int64), workers
+    return new_counters(steps, workers), workers
 
 
 class FusedLayer:

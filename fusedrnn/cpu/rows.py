@@ -15,9 +15,11 @@ kernels against these in one process, median of 11 interleaved (bitwise equal re
     backward, float32  rnn_relu 127 -> 108 ms, GRU 238 -> 214, LSTM 312 -> 289
     backward, float64  level (LSTM 1157 / 1196, GRU 1032 / 1011)
 
-Each move is one masked vector load per operand and one masked store (AVX2 vmaskmov):
-lanes at or past `width` are neither read nor written, so a partial last block
-(H % 16 != 0) needs no scalar tail and never touches memory past a row's end.
+A whole row (width 16) is one vector load per operand and one vector store. A partial
+block's row (the last block when H % 16 != 0) goes lane by lane, and lanes at or past
+`width` are neither read nor written, so nothing past a row's end is touched. (Masked
+vector moves did that in one instruction, but AMD's masked stores are microcoded, and
+LLVM changed those intrinsics' signature between the versions Numba builds on.)
 
 row_copy(dst, src, width, like)        dst[0:width] = src[0:width]
 row_add(dst, a, b, width, like)        dst[0:width] = a[0:width] + b[0:width]
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["row_copy", "row_add", "row_add3"]
@@ -41,43 +42,34 @@ LANES = 16
 
 
 def _emit(context, builder, signature, values):
-    """The masked sum of rows values[1:-2] stored to values[0] (module docstring)."""
+    """The sum of rows values[1:-2] stored to values[0] (module docstring)."""
     single = signature.args[-1] == types.float32
     intp = context.get_value_type(types.intp)
     scalar = ir.FloatType() if single else ir.DoubleType()
     vec = ir.VectorType(scalar, LANES)
-    ptr, mask_type = vec.as_pointer(), ir.VectorType(ir.IntType(1), LANES)
-    name = f"v{LANES}{'f32' if single else 'f64'}"
-    load = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vec, [ptr, ir.IntType(32), mask_type, vec]),
-        f"llvm.masked.load.{name}.p0")
-    store = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [vec, ptr, ir.IntType(32), mask_type]),
-        f"llvm.masked.store.{name}.p0")
     address = [context.cast(builder, v, t, types.intp)
                for v, t in zip(values[:-2], signature.args[:-2])]
     width = context.cast(builder, values[-2], signature.args[-2], types.intp)
-    lane_index = ir.Constant(ir.VectorType(intp, LANES), list(range(LANES)))
-    splat = builder.insert_element(ir.Constant(ir.VectorType(intp, LANES), ir.Undefined),
-                                   width, ir.Constant(ir.IntType(32), 0))
-    splat = builder.shuffle_vector(splat, splat, ir.Constant(
-        ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
-    mask = builder.icmp_unsigned("<", lane_index, splat)
-    align, zero = ir.Constant(ir.IntType(32), 1), ir.Constant(vec, None)
     full = builder.icmp_unsigned(">=", width, ir.Constant(intp, LANES))
     with builder.if_else(full, likely=True) as (whole, partial):
-        with whole:     # plain loads and stores: AMD's masked stores are microcoded
+        with whole:     # the whole row: one vector per operand
             total = None
             for a in address[1:]:
-                value = builder.load(builder.inttoptr(a, ptr), align=1)
+                value = builder.load(builder.inttoptr(a, vec.as_pointer()), align=1)
                 total = value if total is None else builder.fadd(total, value)
-            builder.store(total, builder.inttoptr(address[0], ptr), align=1)
-        with partial:
-            total = None
-            for a in address[1:]:
-                value = builder.call(load, [builder.inttoptr(a, ptr), align, mask, zero])
-                total = value if total is None else builder.fadd(total, value)
-            builder.call(store, [total, builder.inttoptr(address[0], ptr), align, mask])
+            builder.store(total, builder.inttoptr(address[0], vec.as_pointer()), align=1)
+        with partial:   # a partial block's row: lane by lane, only below width
+            for lane in range(LANES - 1):
+                inside = builder.icmp_unsigned("<", ir.Constant(intp, lane), width)
+                with builder.if_then(inside):
+                    at = [builder.inttoptr(builder.add(a, ir.Constant(
+                        intp, lane * (4 if single else 8))), scalar.as_pointer())
+                        for a in address]
+                    total = None
+                    for ptr in at[1:]:
+                        value = builder.load(ptr)
+                        total = value if total is None else builder.fadd(total, value)
+                    builder.store(total, at[0])
     return context.get_dummy_value()
 
 

@@ -4,10 +4,14 @@
     step is taken exactly once; each worker takes blocks of its own share first and in
     order (a worker done with its own share takes the others' remaining blocks); an
     exhausted step answers -1 to everyone (workers > blocks included).
-(b) The fused loops with more workers than threads (1 Numba thread, 2 and 5 workers),
-    forward and backward through the op, in a subprocess with a time limit so that a
-    barrier that waits forever fails the test instead of hanging it: results bitwise
-    equal to the normal run's (a block's arithmetic does not depend on who runs it).
+(b) The fused loops with more workers than threads (1 Numba thread with 2 and 5
+    workers: they run one after another; 2 threads with 5 workers: some in parallel,
+    some after), forward and backward through the op, both dtypes, in a subprocess
+    with a time limit so that a barrier that waits forever fails the test instead of
+    hanging it: results bitwise equal to the normal run's (a block's arithmetic does
+    not depend on who runs it).
+(c) new_counters: zeroed, every row on a 64-byte line, the done count alone on the
+    row's last line.
 """
 import os
 import subprocess
@@ -18,7 +22,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.workshare import claim, counter_stride
+from fusedrnn.cpu.workshare import LINE, claim, new_counters
 
 
 @nb.njit
@@ -60,7 +64,7 @@ def _share(w, workers, blocks):
 @pytest.mark.parametrize("workers, blocks", [(1, 5), (2, 50), (2, 7), (3, 10), (5, 3),
                                              (4, 1)])
 def test_serial_workers_take_every_block_once(workers, blocks):
-    order = _serial(np.zeros((3, counter_stride(workers)), np.int64), 3, workers, blocks)
+    order = _serial(new_counters(3, workers), 3, workers, blocks)
     for step in range(3):
         taken = [b for w in range(workers) for b in order[step, w] if b >= 0]
         assert sorted(taken) == list(range(blocks))
@@ -73,7 +77,7 @@ def test_serial_workers_take_every_block_once(workers, blocks):
 
 @pytest.mark.parametrize("workers, blocks", [(2, 50), (2, 7), (3, 10), (5, 3), (3, 1)])
 def test_interleaved_workers_take_their_own_share_first(workers, blocks):
-    order = _round_robin(np.zeros((1, counter_stride(workers)), np.int64), workers, blocks)
+    order = _round_robin(new_counters(1, workers), workers, blocks)
     taken = [b for w in range(workers) for b in order[w] if b >= 0]
     assert sorted(taken) == list(range(blocks))
     for w in range(workers):
@@ -91,37 +95,34 @@ _OVERSUBSCRIBED = textwrap.dedent("""
     from fusedrnn.cpu import fused
     from fusedrnn.layout import param_size
 
-    def run(mode):
+    def run(mode, dtype):
         rng = np.random.default_rng(7)
         T, N, I, H = 5, 3, 4, 37      # 3 blocks, the last partial
         n = param_size(mode=mode, input_size=I, state_size=H, num_layers=2,
                        bidirectional=True)
-        p = rng.standard_normal(n) * 0.3
-        x = rng.standard_normal((T, N, I))
-        dout = rng.standard_normal((T, N, 2 * H))
+        p = (rng.standard_normal(n) * 0.3).astype(dtype)
+        x = rng.standard_normal((T, N, I)).astype(dtype)
+        dout = rng.standard_normal((T, N, 2 * H)).astype(dtype)
         kw = dict(state_size=H, num_layers=2, mode=mode, bidirectional=True)
         out, handle = fusedrnn.RNN(x, p, **kw, train=True)
         grads = fusedrnn.rnn_backward(handle, dout)
         one = fusedrnn.RNN(x[:1], p, **kw)    # T=1: the single-step form
         return [out, *grads[:2], one]
 
-    original = fused._workshare
-    for mode in ("lstm", "gru"):
+    original, threads = fused._workshare, numba.get_num_threads()
+    for mode, dtype in (("lstm", np.float64), ("gru", np.float32)):
         fusedrnn.clear_cache()
-        want = run(mode)
-        numba.set_num_threads(1)
-        for workers in (2, 5):
-            def forced(steps, blocks, workers=workers):
-                counters, _ = original(steps, blocks)
-                stride = fused.counter_stride(workers)
-                return np.zeros((steps, stride), np.int64), workers
-            fused._workshare = forced
+        want = run(mode, dtype)
+        for numba_threads, workers in ((1, 2), (1, 5), (threads, 5)):
+            numba.set_num_threads(numba_threads)
+            fused._workshare = lambda steps, blocks: (fused.new_counters(steps, workers),
+                                                      workers)
             fusedrnn.clear_cache()
-            got = run(mode)
+            got = run(mode, dtype)
             for a, b in zip(got, want):
-                assert np.array_equal(a, b), (mode, workers)
+                assert np.array_equal(a, b), (mode, numba_threads, workers)
         fused._workshare = original
-        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(threads)
     print("ok")
 """)
 
@@ -134,3 +135,13 @@ def test_more_workers_than_threads_neither_hangs_nor_changes_results():
     except subprocess.TimeoutExpired:
         pytest.fail("the fused loops did not finish in 300 s with more workers than threads")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("steps, workers", [(1, 1), (300, 2), (4, 8), (3, 9)])
+def test_new_counters_layout(steps, workers):
+    counters = new_counters(steps, workers)
+    assert counters.dtype == np.int64 and counters.shape[0] == steps
+    assert not counters.any()
+    stride = counters.shape[1]
+    assert stride % LINE == 0 and stride - LINE >= workers   # claims, then the done line
+    assert counters.ctypes.data % 64 == 0 and counters.strides == (stride * 8, 8)
