@@ -282,17 +282,18 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
                     tile = tiles[b]
                     j0 = b * PANEL
                     width = min(PANEL, H - j0)
+                    dh_rec = tile.ctypes.data + _DHR * PANEL * itemsize
                     if step > 0:   # dh_rec = dg_later @ W_h for this block's units
                         panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
-                                   wpack_rows[b].ctypes.data, tile.ctypes.data, row, GH,
-                                   like)
+                                   wpack_rows[b].ctypes.data, dh_rec, row, GH, like)
                     else:
                         for n in range(N):
-                            row_copy(tile.ctypes.data + n * row * itemsize,
+                            row_copy(dh_rec + n * row * itemsize,
                                      dh_rec0.ctypes.data + (n * H + j0) * itemsize, width, like)
                     for n in range(N):
                         # Addresses of this sample's rows (all arrays C-contiguous).
                         trow = tile.ctypes.data + n * row * itemsize
+                        dh_rec_n = trow + _DHR * PANEL * itemsize
                         sample = t * N + n
                         dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
                         dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
@@ -305,11 +306,11 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
                                     dgx[t, n, col + g * H + j0 + u] = 0
                                     if split:
                                         dgh[t, n, col + g * H + j0 + u] = 0
-                            row_add(dh_carry_n, dh_carry_n, trow, width, like)
+                            row_add(dh_carry_n, dh_carry_n, dh_rec_n, width, like)
                             continue
                         dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
-                        row_add3(trow + _DH * PANEL * itemsize, trow, dy_n, dh_carry_n, width,
-                                 like)
+                        row_add3(trow + _DH * PANEL * itemsize, dh_rec_n, dy_n, dh_carry_n,
+                                 width, like)
                         rec = saved.ctypes.data + (
                             (d * T * N + sample) * saved.shape[3] + j0) * itemsize
                         for k in range(saved_width):
