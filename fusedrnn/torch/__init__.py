@@ -39,7 +39,22 @@ def _same_stream(tensor):
     if tensor.device.type != "cuda":
         return contextlib.nullcontext()
     import cupy
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream)
+    stream = torch.cuda.current_stream(tensor.device)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:   # CuPy < 14
+        return cupy.cuda.ExternalStream(stream.cuda_stream, tensor.device.index)
+    return from_external(_StreamHandle(stream.cuda_stream))
+
+
+class _StreamHandle:
+    """A raw cudaStream_t in the CUDA stream protocol, which CuPy 14's Stream.from_external
+    takes (its ExternalStream is deprecated there)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self._handle)
 
 
 class _RNNFunction(torch.autograd.Function):

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine is for, in as few device calls as possible: what the machine
+# has, the GPU test suite (per-step path, then the persistent kernels), the GPU benchmark.
+# Run from the repository root ON the GPU machine, with its own python3 (CuPy, torch, Numba
+# already there; nothing is installed):
+#   bash bench/gpu_session.sh tests        # gpu-marked tests, per-step path, then persistent
+#   bash bench/gpu_session.sh bench-quick  # python -m fusedrnn bench --device gpu --quick
+#   bash bench/gpu_session.sh bench        # the full GPU benchmark (per-step path)
+# Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
+# vectors come from $FUSEDRNN_GOLDEN_DIR (carry a copy: ../shared does not travel).
+# Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
+# would spin on its barrier forever, and that must end the phase, not the whole call.
+set -u
+OUT=${OUT:-gpu-session}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+PY=python3
+
+info() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+        --format=csv 2>&1
+    $PY -c "import sys, numpy, numba, cupy, torch; print('python', sys.version.split()[0],
+'numpy', numpy.__version__, 'numba', numba.__version__, 'cupy', cupy.__version__,
+'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+}
+
+pytest_gpu() {   # $1: log name, $2: seconds, rest: pytest arguments
+    local log=$1 limit=$2
+    shift 2
+    timeout -s KILL "$limit" $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts= -rfE \
+        --maxfail=30 "$@" > "$OUT/$log" 2>&1
+    echo "== $log: exit $? (137: killed at ${limit} s)"
+    grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/$log" | tail -40
+}
+
+phase=${1:-tests}
+shift || true
+case "$phase" in
+    tests)   # extra arguments go to pytest (e.g. -k features)
+        info | tee "$OUT/info.txt"
+        pytest_gpu tests.log 330 tests/gpu/test_parity.py tests/torch/test_cuda.py \
+            -k "not persistent" "$@"
+        FUSEDRNN_GPU_PERSISTENT=1 pytest_gpu persistent.log 200 tests/gpu/test_parity.py \
+            -k persistent "$@"
+        ;;
+    bench-quick)   # the per-step path, then the persistent kernels where they fit
+        for persistent in 0 1; do
+            FUSEDRNN_GPU_PERSISTENT=$persistent timeout -s KILL 280 $PY -m fusedrnn bench \
+                --device gpu --quick --json "$OUT/gpu-quick-p$persistent.json" \
+                --plot "$OUT/gpu-quick-p$persistent.png" "$@" 2>&1 \
+                | tee "$OUT/bench-quick-p$persistent.log" | tr '\r' '\n' | grep -v '^\['
+        done
+        ;;
+    bench)   # FUSEDRNN_GPU_PERSISTENT passes through; extra arguments go to the CLI
+        timeout -s KILL 580 $PY -m fusedrnn bench --device gpu \
+            --json "$OUT/gpu.json" --plot "$OUT/gpu-batch.png" "$@" 2>&1 \
+            | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '^\['
+        ;;
+    *)
+        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench] [extra arguments]" >&2
+        exit 2
+        ;;
+esac
