@@ -18,10 +18,13 @@
 // (each matrix followed by its ld; see FUSEDRNN_*_PARAMS below). One thread per (n, j).
 #pragma once
 
-#ifndef __CUDACC__  // built as plain C++ for the host-side tests (tests/gpu/)
+#ifdef __CUDACC__
+#define FUSEDRNN_UNROLL _Pragma("unroll")
+#else  // built as plain C++ for the host-side tests (tests/gpu/)
 #define __host__
 #define __device__
 #define __forceinline__ inline
+#define FUSEDRNN_UNROLL
 #include <cmath>
 using std::exp;
 using std::tanh;

@@ -8,11 +8,19 @@ same source in tests/gpu.
 Selection rule (persistent_plan): a layer runs persistent when one block per SM holds
 its slice of W_h and the staged state in shared memory (forward: (H*G*U + H*ldn) values,
 backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn, U =
-ceil(H / SMs) units per block), so the grid is co-resident and can synchronise. Measurement behind it: none yet. No GPU was lent to the session
-that wrote this kernel, so it has never run on one, and the crossover against the
-per-step GEMM path (large N, where cuBLAS's per-step GEMM is efficient) is unknown.
-Until the GPU parity suite (tests/gpu/test_parity.py) passes with it and the benchmark
-places that crossover, the persistent path is opt-in: FUSEDRNN_GPU_PERSISTENT=1.
+ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else the
+per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
+turns the persistent kernels off.
+Measurement behind it (H100 80GB HBM3, 2026-11-23, `bash bench/gpu_session.sh
+bench-quick`: the same --quick run with FUSEDRNN_GPU_PERSISTENT=0 and =1; numbers in
+bench/results/gpu.md): wherever the plan fit, the persistent kernels beat the per-step
+path. float32 T=50 N=20 I=H=256: inference 3.2-3.6x (one layer) and 3.9-4.7x (2 layers
+bidirectional), training 2.5-4.7x and 3.0-6.0x; float64 T=20 N=20 H=128: 2.7-3.7x; LSTM
+inference T=20 at N=1, 16, 64, 128: 3.0x, 3.5x, 2.0x, 2.0x; the 2-layer GRU encoder
+(N=64 H=512): 2.0x. Only the decoder step (T=1 N=64 H=512, one step: nothing stays on
+chip between steps) is level: GRU 383 vs 357 us per call, LSTM 394 vs 410. The
+full-size runs agree (bench/results/gpu.md: 1.2-8.5x, the decoder step least). Where
+the plan does not fit (large N*H) the per-step GEMM path is what remains.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ __all__ = ["SOURCE_PATH", "source", "MAX_THREADS", "DeviceLimits", "PersistentPl
 
 SOURCE_PATH = Path(__file__).with_name("persistent.cuh")
 MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
+MIN_THREADS = 256
 MAX_CHUNK = 512
 ENV = "FUSEDRNN_GPU_PERSISTENT"
 
@@ -72,12 +81,15 @@ def persistent_plan(gates, hidden, batch, itemsize, limits):
     if forward_smem > limits.smem_per_block or chunk < min(32, gates * hidden):
         return None
     backward_smem = fixed + chunk * ldn * itemsize
-    threads = min(MAX_THREADS, max(64, -(-units * batch // 32) * 32))
+    # At least 256 threads even where there are fewer tasks: staging (persistent.cuh)
+    # needs that many loads in flight.
+    threads = min(MAX_THREADS, max(MIN_THREADS, -(-units * batch // 32) * 32))
     return PersistentPlan(blocks, units, threads, ldn, chunk, forward_smem, backward_smem)
 
 
 def persistent_enabled():
-    return os.environ.get(ENV, "0") == "1"
+    """On unless FUSEDRNN_GPU_PERSISTENT=0 (the per-step path everywhere)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def kernel_names(mode, dtype):

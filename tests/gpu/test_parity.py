@@ -29,6 +29,14 @@ from fusedrnn import gpu  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def per_step_path(monkeypatch):
+    """Tests run the per-step path unless they choose the persistent kernels (the
+    persistent_selected fixture, or `path`), so both paths stay covered."""
+    from fusedrnn.gpu import persistent
+    monkeypatch.setenv(persistent.ENV, "0")
+
+
+@pytest.fixture(autouse=True)
 def poison_gpu_buffers(monkeypatch):
     """Every buffer the GPU backend allocates starts as NaN."""
     def empty(shape, dtype=float, **kwargs):
@@ -77,8 +85,11 @@ def _assert_gpu_equals_cpu(case, kw, heads, dtype):
 CASES = json.loads((GOLDEN_DIR / "manifest.json").read_text())["cases"]
 
 
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-step", "persistent"])
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_golden_on_gpu(case):
+def test_golden_on_gpu(case, persistent, monkeypatch):
+    from fusedrnn.gpu.persistent import ENV
+    monkeypatch.setenv(ENV, persistent)
     arrays = np.load(GOLDEN_DIR / case["file"])
     kwargs = case["rnn_kwargs"]
     lstm = kwargs["mode"] == "lstm"
@@ -136,7 +147,6 @@ FEATURES = {
 def _with_features(mode, names, D, dtype, seed=0):
     """make_case plus the named features (projection resizes parameters and states)."""
     case, kw, heads = make_case(mode, T=6, N=4, I=5, H=7, L=2, D=D, dtype=dtype, seed=seed)
-    kw = dict(kw, state_outputs=True)
     for name in names:
         kw.update(FEATURES[name])
     if "lengths" in names:
@@ -234,3 +244,17 @@ def test_persistent_at_the_selection_boundary(persistent_selected, mode):
         _assert_gpu_equals_cpu(case, kw, heads, np.float32)
         assert len(persistent_selected) == 1
         assert (persistent_selected[0] is not None) == expect_persistent
+
+
+@pytest.mark.parametrize("N, expect_persistent", [(5, True), (4096, False)])
+def test_persistent_is_the_default_where_it_fits(monkeypatch, N, expect_persistent):
+    """With FUSEDRNN_GPU_PERSISTENT unset, a layer that fits on chip runs persistent and
+    one whose staged state does not (N=4096) takes the per-step path; both are right."""
+    from fusedrnn.gpu import persistent
+    monkeypatch.delenv(persistent.ENV)
+    chosen = []
+    real = persistent.cupy_persistent_layer
+    monkeypatch.setattr(gpu, "cupy_persistent_layer", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    case, kw, heads = make_case("gru", T=3, N=N, I=4, H=64, L=1, D=1, dtype=np.float32, seed=N)
+    _assert_gpu_equals_cpu(case, kw, heads, np.float32)
+    assert len(chosen) == 1 and (chosen[0] is not None) == expect_persistent

@@ -79,7 +79,7 @@ def test_persistent_lstm_clip(harness, options):
 
 def test_plan_for_the_design_doc_lstm_on_an_h100():
     plan = persistent_plan(4, 800, 20, 4, H100)
-    assert (plan.units, plan.blocks, plan.ldn, plan.threads, plan.chunk) == (7, 115, 21, 160, 512)
+    assert (plan.units, plan.blocks, plan.ldn, plan.threads, plan.chunk) == (7, 115, 21, 256, 512)
     assert plan.forward_smem == (800 * 4 * 7 + 800 * 21) * 4 == 156800
     assert plan.backward_smem == (4 * 800 * 7 + 7 * 20 + 512 * 21) * 4
 
@@ -97,17 +97,18 @@ def test_plan_blocks_cover_every_unit_once():
         plan = persistent_plan(1, hidden, 3, 4, H100)
         assert plan.blocks <= H100.sm_count
         assert (plan.blocks - 1) * plan.units < hidden <= plan.blocks * plan.units
-        assert plan.threads % 32 == 0 and 64 <= plan.threads <= persistent.MAX_THREADS
+        assert plan.threads % 32 == 0 and persistent.MIN_THREADS <= plan.threads <= persistent.MAX_THREADS
 
 
-def test_persistent_is_opt_in(monkeypatch):
-    """Off unless FUSEDRNN_GPU_PERSISTENT=1 (never measured on a GPU yet): the GPU backend
-    then keeps the per-step path without touching CuPy."""
+def test_persistent_is_on_unless_turned_off(monkeypatch):
+    """On by default (measured on an H100: persistent.py); FUSEDRNN_GPU_PERSISTENT=0
+    keeps the per-step path without touching CuPy."""
     from fusedrnn.config import RNNConfig
     monkeypatch.delenv(persistent.ENV, raising=False)
-    assert persistent.cupy_persistent_layer(None, RNNConfig("lstm", 4, 9, 1, False), np.float32, 5) is None
+    assert persistent.persistent_enabled()
     monkeypatch.setenv(persistent.ENV, "0")
     assert not persistent.persistent_enabled()
+    assert persistent.cupy_persistent_layer(None, RNNConfig("lstm", 4, 9, 1, False), np.float32, 5) is None
     monkeypatch.setenv(persistent.ENV, "1")
     assert persistent.persistent_enabled()
 
