@@ -53,6 +53,32 @@
 
 #include "cells.cuh"
 
+#if defined(__CUDACC__) && defined(FUSEDRNN_PHASE_CLOCKS)
+// Instrumented build only (bench/gpu_phases.py compiles with -DFUSEDRNN_PHASE_CLOCKS):
+// each block's thread 0 adds the clock64 cycles of every step's phases, measured from
+// block barrier to block barrier, to slots 0 (staging, and in the backward the recurrent
+// product too), 1 (tasks: the cell math; in the forward also the product) and 2 (the
+// grid barrier: waiting for the slowest block). The extra block barriers cost a little.
+__device__ unsigned long long fusedrnn_phase_clocks[3];
+#define FUSEDRNN_PHASE_START(since) long long since = clock64()
+#define FUSEDRNN_PHASE_MARK(slot, since)                                                  \
+  do {                                                                                     \
+    __syncthreads();                                                                       \
+    if (threadIdx.x == 0) {                                                                \
+      const long long now_ = clock64();                                                    \
+      atomicAdd(&fusedrnn_phase_clocks[slot], (unsigned long long)(now_ - since));         \
+      since = now_;                                                                        \
+    }                                                                                      \
+  } while (0)
+#else
+#define FUSEDRNN_PHASE_START(since) \
+  do {                              \
+  } while (0)
+#define FUSEDRNN_PHASE_MARK(slot, since) \
+  do {                                   \
+  } while (0)
+#endif
+
 namespace fusedrnn {
 
 // A value another block wrote since the last grid barrier: read past the (incoherent)
@@ -374,10 +400,14 @@ __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* ba
   T* h_s = w_s + H * Cell::G * units;
   forward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
   for (idx_t step = 0; step < steps; ++step) {
+    FUSEDRNN_PHASE_START(since);
     stage_state(p, h_s, step, threadIdx.x, blockDim.x);
     __syncthreads();
+    FUSEDRNN_PHASE_MARK(0, since);
     forward_tasks<Cell, T>(p, w_s, h_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    FUSEDRNN_PHASE_MARK(1, since);
     grid_barrier(barrier, arrivals);   // every block's h_t is written before anyone stages it
+    FUSEDRNN_PHASE_MARK(2, since);
   }
 }
 
@@ -392,6 +422,7 @@ __global__ void __launch_bounds__(512) persistent_backward(unsigned long long* b
   backward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
   __syncthreads();
   for (idx_t step = 0; step < steps; ++step) {
+    FUSEDRNN_PHASE_START(since);
     if (step > 0) {
       backward_clear(p, dh_s, threadIdx.x, blockDim.x);
       for (idx_t first = 0; first < Cell::G * H; first += chunk) {
@@ -402,8 +433,11 @@ __global__ void __launch_bounds__(512) persistent_backward(unsigned long long* b
         __syncthreads();   // x_s is restaged next
       }
     }
+    FUSEDRNN_PHASE_MARK(0, since);
     backward_tasks<Cell, T>(p, dh_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    FUSEDRNN_PHASE_MARK(1, since);
     grid_barrier(barrier, arrivals);   // every block's gate gradients are in `exchange`
+    FUSEDRNN_PHASE_MARK(2, since);
   }
 }
 #endif

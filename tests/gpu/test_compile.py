@@ -64,14 +64,16 @@ def test_nvcc_compiles_every_kernel(arch, tmp_path):
     assert len(entries) == len(kernels.all_kernel_names()) == 16
 
 
+# The second build is bench/gpu_phases.py's instrumented one.
+@pytest.mark.parametrize("defines", [[], ["-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_nvcc_compiles_every_persistent_kernel(arch, tmp_path):
+def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
     source = _instantiations(
         "persistent.cuh", persistent.all_kernel_names(),
         lambda name, ctype: "unsigned long long*, FUSEDRNN_PERSISTENT_"
                             f"{'FORWARD' if 'persistent_forward' in name else 'BACKWARD'}"
                             f"_PARAMS({ctype})")
-    entries, report = _nvcc_entries(source, arch, tmp_path, "-rdc=true")
+    entries, report = _nvcc_entries(source, arch, tmp_path, "-rdc=true", *defines)
     assert len(entries) == len(persistent.all_kernel_names()) == 16
     # __launch_bounds__(512): at most 128 registers, so a 512-thread block fits an SM.
     assert all(int(r) <= 128 for r in re.findall(r"Used (\d+) registers", report))
@@ -125,9 +127,11 @@ def test_nvrtc_compiles_every_kernel_as_cupy_does(arch):
                     [b"--std=c++14", f"--gpu-architecture={arch}".encode()])
 
 
+@pytest.mark.parametrize("defines", [[], [b"-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch):
+def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch, defines):
     # Exactly the text CuPy is given; persistent.py's options plus CuPy's own -ftz=true.
     _nvrtc_compiles(persistent.source().encode(), b"persistent.cuh",
                     persistent.all_kernel_names(),
-                    [b"--std=c++14", f"--gpu-architecture={arch}".encode(), b"-ftz=true"])
+                    [b"--std=c++14", f"--gpu-architecture={arch}".encode(), b"-ftz=true",
+                     *defines])

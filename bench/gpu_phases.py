@@ -1,0 +1,98 @@
+"""Where a persistent kernel's step goes, on a lent GPU: staging, tasks, grid barrier.
+
+Builds persistent.cuh with -DFUSEDRNN_PHASE_CLOCKS (each block's thread 0 adds every
+step's phase cycles to a device counter, see the top of persistent.cuh), makes the op use
+that build, and reports microseconds per step for the forward (inference) and the
+backward of each mode at the design-doc size, next to the whole call's time. Slot 0 is
+staging (and in the backward the recurrent product), 1 the tasks (in the forward also
+the product), 2 the wait at the grid barrier. Cycles are averaged over blocks and steps
+and converted at the SM clock the device reports, so they are estimates: a step's time
+is roughly the slowest block's, and the instrumented build adds block barriers.
+
+    PYTHONPATH=. python3 bench/gpu_phases.py [--T 300 --N 20 --H 800 --modes lstm,gru]
+"""
+import argparse
+
+import cupy
+import numpy as np
+
+import fusedrnn
+from fusedrnn.config import CELLS
+from fusedrnn.gpu import persistent
+
+PHASES = ("staging", "tasks", "barrier")
+
+
+def instrumented_module():
+    return cupy.RawModule(code=persistent.source(),
+                          options=("--std=c++14", "-DFUSEDRNN_PHASE_CLOCKS"),
+                          name_expressions=persistent.all_kernel_names())
+
+
+def clocks(module):
+    pointer = module.get_global("fusedrnn_phase_clocks")
+    return cupy.ndarray((len(PHASES),), cupy.uint64, pointer)
+
+
+def per_step_us(counter, blocks, steps, clock_khz):
+    cycles = cupy.asnumpy(counter).astype(np.float64) / (blocks * steps)
+    return cycles / clock_khz * 1e3
+
+
+def timed(fn):
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return result, cupy.cuda.get_elapsed_time(start, end) * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, default=300)
+    parser.add_argument("--N", type=int, default=20)
+    parser.add_argument("--H", type=int, default=800)
+    parser.add_argument("--modes", default=",".join(fusedrnn.MODES))
+    args = parser.parse_args()
+    T, N, H = args.T, args.N, args.H
+    module = instrumented_module()
+    persistent._module = module          # the op's launchers now come from this build
+    counter = clocks(module)
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    # cudaDeviceProp.clockRate is gone in CUDA 13; the attribute (13) remains.
+    clock_khz = device.get("clockRate") or cupy.cuda.runtime.deviceGetAttribute(
+        13, cupy.cuda.runtime.getDevice())
+    limits = persistent.DeviceLimits.of_current_cupy_device(cupy)
+    rng = np.random.default_rng(0)
+    print(f"{device['name'].decode()}, SM clock {clock_khz / 1e3:.0f} MHz; T={T} N={N} "
+          f"I=H={H} float32, one layer; us per step (averaged over blocks)")
+    print(f"| mode | pass | {' | '.join(PHASES)} | sum | whole call / T |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        plan = persistent.persistent_plan(CELLS[mode].gates, H, N, 4, limits)
+        if plan is None:
+            print(f"| {mode} | - | does not fit on chip | | | | |")
+            continue
+        kw = dict(mode=mode, state_size=H, num_layers=1)
+        x = cupy.asarray(rng.standard_normal((T, N, H)), cupy.float32)
+        w = cupy.asarray(rng.uniform(-H ** -0.5, H ** -0.5,
+                                     fusedrnn.param_size(input_size=H, **kw)), cupy.float32)
+        for _ in range(2):   # warm-up: compile, plan, allocate
+            fusedrnn.RNN(x, w, **kw)
+        counter.fill(0)
+        _, infer_us = timed(lambda: fusedrnn.RNN(x, w, **kw))
+        forward = per_step_us(counter, plan.blocks, T, clock_khz)
+        out, handle = fusedrnn.RNN(x, w, **kw, train=True)
+        dout = cupy.asarray(rng.standard_normal(out.shape), cupy.float32)
+        counter.fill(0)
+        _, backward_call_us = timed(lambda: fusedrnn.rnn_backward(handle, dout))
+        backward = per_step_us(counter, plan.blocks, T, clock_khz)
+        for name, phases, whole in (("forward", forward, infer_us),
+                                    ("backward", backward, backward_call_us)):
+            cells = " | ".join(f"{v:.2f}" for v in phases)
+            print(f"| {mode} | {name} | {cells} | {phases.sum():.2f} | {whole / T:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
