@@ -23,7 +23,11 @@ the panel's halves) was tried on 2026-11-23. It raised bench/microkernel.py at 8
 columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300 N=20
 I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
 step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
-tile's arithmetic limits float64, so the simpler kernel stays.
+tile's arithmetic limits float64, so the simpler kernel stays. On a CPU with AVX-512VL
+(32 vector registers: znver4 here) the 3 x 4 tile does not spill at all, and a 6 x 4 one
+(29 registers, half the passes over each panel) was tried on 2026-11-24: the rnn_relu
+float64 loop alone (T=300 N=20 I=H=800, 3 alternating processes) took 172-199 ms
+against 157-171 ms with 3 rows. Not kept.
 
 panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     a      address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
@@ -146,12 +150,22 @@ def _register_rows_overload(like):
     return lambda like: rows
 
 
+def _itemsize(like):
+    return np.dtype(type(like)).itemsize
+
+
+@overload(_itemsize)
+def _itemsize_overload(like):
+    size = 4 if like == types.float32 else 8
+    return lambda like: size
+
+
 @nb.njit(inline="always")
 def panel_gemm(a, lda, rows, panel, c, ldc, k, like):
     """The micro-kernel over `rows` rows (module docstring); `like`: a scalar of the data's
     dtype, which picks the precision."""
     mr = _register_rows(like)
-    itemsize = 4 if mr == 6 else 8
+    itemsize = _itemsize(like)
     # Balanced tiles (20 rows: 4 x 5, not 6+6+6+2): a thin tail tile does a third of the
     # FMAs per panel load of a full one.
     tiles = (rows + mr - 1) // mr
@@ -180,7 +194,7 @@ def panel_gemm_t(a, lda, rows, panel, c, ldc, k, like):
     Used with A = raw weight rows and panel = 16 samples of the input packed as columns,
     so a weight matrix used once per call (a T=1 step) is read in place, never packed."""
     mr = _register_rows(like)
-    itemsize = 4 if mr == 6 else 8
+    itemsize = _itemsize(like)
     tiles = (rows + mr - 1) // mr
     r = 0
     for i in range(tiles):

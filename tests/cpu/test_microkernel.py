@@ -4,6 +4,8 @@ stride of A wider than K and a C wider than the panels whose padding columns mus
 untouched; its transposed-store form (panel_gemm_t) the same way; pack_columns and
 pack_rows element by element against their docstrings."""
 import functools
+import subprocess
+import sys
 
 import numba as nb
 import numpy as np
@@ -145,3 +147,42 @@ def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K):
     want = (a[:, :K].astype(np.float64) @ panel.astype(np.float64)).T
     assert np.max(np.abs(c[:, :rows] - want)) / np.max(np.abs(want)) <= TOL[dtype]
     assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
+
+
+# Run in a fresh process: the tile height is read from ROWS when a kernel is typed.
+SWAPPED_HEIGHTS = """
+import numpy as np, numba as nb
+from fusedrnn.cpu import microkernel as mk
+mk.ROWS[np.dtype(np.float32)], mk.ROWS[np.dtype(np.float64)] = 3, 6
+for dtype in (np.float32, np.float64):
+    gemm, size = mk.panel_gemm_for(dtype), np.dtype(dtype).itemsize
+    gemm_t = mk.panel_gemm_t
+    zero = np.dtype(dtype).type(0)
+
+    @nb.njit
+    def run(a, panel, c, ct):
+        gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
+             c.shape[1], a.shape[1])
+        gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, ct.ctypes.data,
+               ct.shape[1], a.shape[1], zero)
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((20, 33)).astype(dtype)
+    panel = rng.standard_normal((33, mk.PANEL)).astype(dtype)
+    c = np.full((20, mk.PANEL), np.nan, dtype)
+    ct = np.full((mk.PANEL, 20), np.nan, dtype)
+    run(a, panel, c, ct)
+    want = a.astype(np.float64) @ panel.astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.max(np.abs(c - want)) <= tol * np.max(np.abs(want)), dtype
+    assert np.max(np.abs(ct - want.T)) <= tol * np.max(np.abs(want)), dtype
+print("ok")
+"""
+
+
+def test_tile_height_does_not_decide_the_element_size():
+    """ROWS may be retuned per dtype (a CPU with more registers, say): the kernels take the
+    element size from the dtype, never from the tile height (they once did: 6 rows meant
+    float32, so a 6-row float64 tile read every other element)."""
+    done = subprocess.run([sys.executable, "-c", SWAPPED_HEIGHTS], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
