@@ -91,18 +91,28 @@ _HP, _CP = 8, 9          # previous h, previous c
 _H, _C, _S = 10, 11, 12  # new h, new c, training record s0..s3 (groups 12..15)
 TILE_GROUPS = 16
 
-# The cell loops over a block's 16 units run `lanes` times, where lanes == PANEL but is
-# read from the tile's shape at run time. Why: with the constant 16, LLVM unrolls the loop
-# fully before its loop vectoriser runs, and the straight-line code it leaves is not
-# always re-vectorised; the ReLU cell compiled to 16 scalar maxss (seen in the asm on
-# znver4, Numba 0.68 / LLVM 20). With a trip count only known at run time the loop
-# vectoriser takes it. Measured on the 2-core machine, T=300 N=20 I=H=800, the loops alone
-# through the op, median of 7-9 interleaved in one process (constant -> run-time):
-#   forward   rnn_relu f32 71.2 -> 61.1 ms; rnn_tanh f64 170 -> 155; GRU f32 132 -> 127;
-#             rnn_tanh f32 58.8 -> 61.0 (its cell already vectorised: noise)
-#   backward  rnn_relu f32 75.2 -> 61.3 ms; rnn_tanh f32 79.9 -> 68.3; f64 120 -> 112;
-#             GRU f32 156 -> 159, LSTM f32 226 -> 242 (minima 199 / 197): level
-# (Without any cell at all: forward rnn_relu 52 ms, backward 53.)
+# The cell loops over a block's 16 units must reach LLVM's loop vectoriser in a form it
+# takes; three things stopped it, each seen in the asm (znver4, Numba 0.68 / LLVM 20):
+# 1. The trip count. With the constant 16, LLVM unrolls the loop fully before the loop
+#    vectoriser runs and leaves straight-line code (the ReLU cell: 16 scalar maxss). So
+#    `lanes` (== PANEL) is read from the tile's shape at run time.
+# 2. Signed indices. Numba wraps every signed index (i < 0: i + dim) with a select on
+#    the address, which LLVM could not remove for all of the tile's columns, so the
+#    loads looked like gathers and the cost model kept the loop scalar. The columns
+#    (_columns) and `lanes` are unsigned, and unsigned indices have no wraparound.
+# 3. Branches in the math (mathfn.select says why it emits selects).
+# Measured on the 2-core machine, the loops alone through the op, median of 7-9
+# interleaved in one process. Step 1, T=300 N=20 I=H=800 (constant -> run-time count):
+#   forward   rnn_relu f32 71.2 -> 61.1 ms; rnn_tanh f64 170 -> 155; the others level
+#   backward  rnn_relu f32 75.2 -> 61.3 ms; rnn_tanh f32 79.9 -> 68.3; f64 120 -> 112
+# Steps 2 and 3 (GRU, LSTM and the clip now vectorise too; fused.py's git log has the
+# per-mode figures): GRU forward f32, T=50 N=64 I=H=512, 57.4 -> 32.8 ms, level with
+# the loop with no cell at all (33.0).
+
+
+def _columns(*groups):
+    """The first tile column of each group, as unsigned constants (note above)."""
+    return tuple(np.uint64(group * PANEL) for group in groups)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -141,6 +151,12 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
+    # The cell's columns (gates past the cell's count repeat its last; the unit ignores
+    # them), unsigned so the cell loop vectorises (note above _columns).
+    x_cols_in = _columns(*(_X + min(g, last) for g in range(4)))
+    r_cols_in = _columns(*(_R + min(g, last) for g in range(4)))
+    h_prev_in, c_prev_in, h_out, c_out = _columns(_HP, _CP, _H, _C)
+    s_out = _columns(*(_S + k for k in range(4)))
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                       clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters,
@@ -153,7 +169,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
         like = zero_like(hs)
-        lanes = tiles.shape[2] // TILE_GROUPS   # == PANEL, known at run time only (above)
+        lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
         # the loop serially (measured: every fused call 2.5x slower). Guarded by
         # tests/cpu/test_parallel_regions.py.
@@ -226,23 +242,19 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
                         if has_c:   # (the other cells never read c_prev)
                             row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
                         for u in range(lanes):      # the cell, on the tile alone
-                            # Gates past the cell's count repeat its last; the unit ignores them.
                             h, c, s0, s1, s2, s3 = forward_unit(
-                                mode,
-                                tile[n, _X * PANEL + u], tile[n, (_X + min(1, last)) * PANEL + u],
-                                tile[n, (_X + min(2, last)) * PANEL + u],
-                                tile[n, (_X + last) * PANEL + u],
-                                tile[n, _R * PANEL + u], tile[n, (_R + min(1, last)) * PANEL + u],
-                                tile[n, (_R + min(2, last)) * PANEL + u],
-                                tile[n, (_R + last) * PANEL + u],
-                                tile[n, _HP * PANEL + u], tile[n, _CP * PANEL + u],
+                                mode, tile[n, x_cols_in[0] + u], tile[n, x_cols_in[1] + u],
+                                tile[n, x_cols_in[2] + u], tile[n, x_cols_in[3] + u],
+                                tile[n, r_cols_in[0] + u], tile[n, r_cols_in[1] + u],
+                                tile[n, r_cols_in[2] + u], tile[n, r_cols_in[3] + u],
+                                tile[n, h_prev_in + u], tile[n, c_prev_in + u],
                                 clip_lo, clip_hi, clip_flags)
-                            tile[n, _H * PANEL + u] = h
-                            tile[n, _C * PANEL + u] = c
-                            tile[n, _S * PANEL + u] = s0
-                            tile[n, (_S + 1) * PANEL + u] = s1
-                            tile[n, (_S + 2) * PANEL + u] = s2
-                            tile[n, (_S + 3) * PANEL + u] = s3
+                            tile[n, h_out + u] = h
+                            tile[n, c_out + u] = c
+                            tile[n, s_out[0] + u] = s0
+                            tile[n, s_out[1] + u] = s1
+                            tile[n, s_out[2] + u] = s2
+                            tile[n, s_out[3] + u] = s3
                         h_new = trow + _H * PANEL * itemsize      # scatter
                         row_copy(h_next, h_new, width, like)
                         row_copy(y_row, h_new, width, like)
@@ -266,6 +278,11 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
     # Backward tile groups: 0 dh_rec; 1 dh; 2 dc in; 3..6 record; 7 h_prev; 8 c_prev; 9 c_t;
     # 10..13 dx per gate; 14 dh carry out; 15 dc carry out; dr per gate reuses 3..6.
     _DHR, _DH, _DC, _SV, _HPB, _CPB, _CT, _DX, _DHC, _DCC = 0, 1, 2, 3, 7, 8, 9, 10, 14, 15
+    # The cell's columns, unsigned so the cell loop vectorises (note above _columns).
+    dh_in, dc_in, h_prev_in, c_prev_in, c_t_in, dh_out, dc_out = _columns(
+        _DH, _DC, _HPB, _CPB, _CT, _DHC, _DCC)
+    rec_in = _columns(*(_SV + k for k in range(4)))     # becomes dr per gate
+    dx_out = _columns(*(_DX + g for g in range(4)))
 
     def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
                        dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, counters,
@@ -279,7 +296,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
         like = zero_like(dgx)
-        lanes = tiles.shape[2] // TILE_GROUPS   # == PANEL, known at run time only (above)
+        lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
         blocks = wpack_rows.shape[0]
         for worker in prange(workers):   # each walks every step (workshare.py)
@@ -341,22 +358,21 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
                                      c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
                         for u in range(lanes):      # the cell, on the tile alone
                             dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
-                                mode,
-                                tile[n, _DH * PANEL + u], tile[n, _DC * PANEL + u],
-                                tile[n, _SV * PANEL + u], tile[n, (_SV + 1) * PANEL + u],
-                                tile[n, (_SV + 2) * PANEL + u], tile[n, (_SV + 3) * PANEL + u],
-                                tile[n, _HPB * PANEL + u], tile[n, _CPB * PANEL + u],
-                                tile[n, _CT * PANEL + u], clip_lo, clip_hi, clip_flags)
-                            tile[n, _DX * PANEL + u] = dx0
-                            tile[n, (_DX + 1) * PANEL + u] = dx1
-                            tile[n, (_DX + 2) * PANEL + u] = dx2
-                            tile[n, (_DX + 3) * PANEL + u] = dx3
-                            tile[n, _SV * PANEL + u] = dr0
-                            tile[n, (_SV + 1) * PANEL + u] = dr1
-                            tile[n, (_SV + 2) * PANEL + u] = dr2
-                            tile[n, (_SV + 3) * PANEL + u] = dr3
-                            tile[n, _DHC * PANEL + u] = dhc
-                            tile[n, _DCC * PANEL + u] = dcc
+                                mode, tile[n, dh_in + u], tile[n, dc_in + u],
+                                tile[n, rec_in[0] + u], tile[n, rec_in[1] + u],
+                                tile[n, rec_in[2] + u], tile[n, rec_in[3] + u],
+                                tile[n, h_prev_in + u], tile[n, c_prev_in + u],
+                                tile[n, c_t_in + u], clip_lo, clip_hi, clip_flags)
+                            tile[n, dx_out[0] + u] = dx0
+                            tile[n, dx_out[1] + u] = dx1
+                            tile[n, dx_out[2] + u] = dx2
+                            tile[n, dx_out[3] + u] = dx3
+                            tile[n, rec_in[0] + u] = dr0
+                            tile[n, rec_in[1] + u] = dr1
+                            tile[n, rec_in[2] + u] = dr2
+                            tile[n, rec_in[3] + u] = dr3
+                            tile[n, dh_out + u] = dhc
+                            tile[n, dc_out + u] = dcc
                         for g in range(gates):          # scatter
                             row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
                                      width, like)

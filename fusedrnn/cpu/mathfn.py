@@ -15,6 +15,11 @@ units compiles to AVX2 code. Each is written for the argument's own precision:
 
 Below exp's normal range (x < -87.3 in float32, -708 in float64) it returns 0, above
 it (88.3, 709) +inf, so sigmoid and tanh saturate exactly; NaN propagates.
+
+Their conditionals are `select`s, not Python's `a if c else b` (select's docstring says
+why), and they inline into their caller at Numba's level (inline="always"), so a cell
+loop's body holds the whole computation whatever LLVM's inliner decides in a large
+kernel.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-__all__ = ["fast_exp", "sigmoid", "tanh", "one_like", "zero_like"]
+__all__ = ["fast_exp", "sigmoid", "tanh", "one_like", "select", "zero_like"]
 
 _F32 = {
     "log2e": np.float32(1.4426950408889634), "ln2_hi": np.float32(0.693359375),
@@ -63,20 +68,59 @@ def _pow2(typingctx, n, like):
     return float_type(n, like), codegen
 
 
+def select(cond, a, b):
+    """a if cond else b, without a branch (Python fallback; compiled code uses _select)."""
+    return a if cond else b
+
+
+@intrinsic
+def _select(typingctx, cond, a, b):
+    """LLVM `select`: a if cond else b for two floats (_select_type). Why not the
+    Python conditional: Numba lowers it to branches, and inside the fused kernels LLVM
+    did not turn them back into selects, so the cell loops kept control flow and ran
+    scalar (fused.py gives the measurement). A select vectorises as a blend."""
+    result = _select_type(cond, a, b)
+    if result is None:
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_value = context.cast(builder, args[1], signature.args[1], result)
+        b_value = context.cast(builder, args[2], signature.args[2], result)
+        return builder.select(args[0], a_value, b_value)
+
+    return result(cond, a, b), codegen
+
+
+def _select_type(cond, a, b):
+    """The result type of select(cond, a, b): as the conditional expression's, the wider
+    of two floats (float32 and float64 give float64); None for other arguments."""
+    floats = (types.float32, types.float64)
+    if not (isinstance(cond, types.Boolean) and a in floats and b in floats):
+        return None
+    return types.float64 if types.float64 in (a, b) else types.float32
+
+
+@overload(select, inline="always")
+def _select_overload(cond, a, b):
+    if _select_type(cond, a, b) is not None:
+        return lambda cond, a, b: _select(cond, a, b)
+    return None
+
+
 def _make_exp(c, taylor):
     log2e, ln2_hi, ln2_lo, lo, hi, half, zero, inf = (
         c[k] for k in ("log2e", "ln2_hi", "ln2_lo", "lo", "hi", "half", "zero", "inf"))
 
     def exp_impl(x):
         # NaN fails every comparison and flows through the arithmetic.
-        xc = lo if x < lo else (hi if x > hi else x)
+        xc = select(x < lo, lo, select(x > hi, hi, x))
         n = np.floor(xc * log2e + half)
         r = (xc - n * ln2_hi) - n * ln2_lo
         p = taylor[0]
         for k in nb.literal_unroll(taylor[1:]):
             p = p * r + k
         y = p * _pow2(n, xc)
-        return zero if x < lo else (inf if x > hi else y)
+        return select(x < lo, zero, select(x > hi, inf, y))
     return exp_impl
 
 
@@ -85,7 +129,7 @@ def fast_exp(x):
     return math.exp(x)
 
 
-@overload(fast_exp)
+@overload(fast_exp, inline="always")
 def _fast_exp_overload(x):
     if x == types.float32:
         return _make_exp(_F32, _TAYLOR32)
@@ -98,7 +142,7 @@ def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-@overload(sigmoid)
+@overload(sigmoid, inline="always")
 def _sigmoid_overload(x):
     if x not in (types.float32, types.float64):
         return None
@@ -113,7 +157,7 @@ def tanh(x):
     return math.tanh(x)
 
 
-@overload(tanh)
+@overload(tanh, inline="always")
 def _tanh_overload(x):
     if x not in (types.float32, types.float64):
         return None
@@ -123,7 +167,7 @@ def _tanh_overload(x):
     def impl(x):
         e = fast_exp(-two * abs(x))
         t = (one - e) / (one + e)
-        return -t if x < zero else t
+        return select(x < zero, -t, t)
     return impl
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numba as nb
 
 from ..recurrence import CLIP, CLIP_NAN  # the clip_flags bits, defined once
-from .mathfn import one_like, sigmoid, tanh, zero_like
+from .mathfn import one_like, select, sigmoid, tanh, zero_like
 
 __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "clip",
            "forward_unit", "unclipped"]
@@ -37,13 +37,9 @@ __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "cl
 
 @nb.njit(inline="always", cache=True)
 def clip(c, lo, hi, flags):
-    if flags & CLIP:
-        if c < lo:
-            c = lo
-        elif c > hi:
-            c = hi
-        elif flags & CLIP_NAN and c != c:
-            c = lo
+    if flags & CLIP:   # selects, not branches, so the cell loop vectorises (mathfn.select)
+        nan_to_lo = (flags & CLIP_NAN) != 0
+        c = select(c < lo, lo, select(c > hi, hi, select(nan_to_lo & (c != c), lo, c)))
     return c
 
 
@@ -52,7 +48,7 @@ def unclipped(c, lo, hi, flags):
     """1 where the clip let c through (its gradient flows), else 0 (also for NaN)."""
     one = one_like(c)
     if flags & CLIP:
-        return one if (lo <= c <= hi) else zero_like(c)
+        return select((lo <= c) & (c <= hi), one, zero_like(c))
     return one
 
 
@@ -60,7 +56,7 @@ def unclipped(c, lo, hi, flags):
 def relu_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags):
     a = x0 + r0
     z = zero_like(a)
-    h = z if a < z else a   # max(a, 0), NaN propagates
+    h = select(a < z, z, a)   # max(a, 0), NaN propagates
     return h, z, h, z, z, z
 
 
@@ -93,7 +89,7 @@ def gru_forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, lo, hi, flags):
 @nb.njit(inline="always", cache=True)
 def relu_backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, lo, hi, flags):
     z = zero_like(dh)
-    dx = dh if s0 > z else z      # s0 = h
+    dx = select(s0 > z, dh, z)      # s0 = h
     return dx, z, z, z, dx, z, z, z, z, z
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import types
 
-from fusedrnn.cpu.mathfn import fast_exp, one_like, sigmoid, tanh, zero_like
+from fusedrnn.cpu.mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
 
 # exp's documented normal range: 0 below LO, +inf above HI.
 LO = {np.float32: np.float32(-87.3), np.float64: -708.0}
@@ -156,3 +156,35 @@ def test_loop_over_array_vectorises(f, dtype, suffix):
     if f is not fast_exp:
         assert re.search(rf"\bv?div{suffix}\b", asm), "division not vectorised"
     assert re.search(r"%[yz]mm\d|\b[yz]mm\d", asm), "no 256-bit (or wider) vectors"
+
+
+@nb.njit
+def _select_all(cond, a, b, out):
+    for i in range(cond.size):
+        out[i] = select(cond[i], a[i], b[i])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_select_is_the_conditional_expression(dtype):
+    """select(c, a, b) == (a if c else b) element for element, NaN on either side kept,
+    in the arguments' precision."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(64).astype(dtype)
+    b = rng.standard_normal(64).astype(dtype)
+    a[::7], b[3::5] = np.nan, np.nan
+    cond = rng.random(64) < 0.5
+    out = np.full(64, 7.0, dtype)
+    _select_all(cond, a, b, out)
+    want = np.array([x if c else y for c, x, y in zip(cond, a, b)], dtype)
+    np.testing.assert_array_equal(out, want)   # NaN == NaN here
+
+
+def test_select_of_two_precisions_is_float64_like_the_conditional():
+    @nb.njit
+    def pick(c, a, b):
+        return select(c, a, b)
+    assert pick(True, np.float32(1.5), 2.0) == 1.5 and pick(False, np.float32(1.5), 2.0) == 2.0
+    pick(False, np.float32(1.5), np.float32(2.0))
+    returns = {sig[1:]: pick.overloads[sig].signature.return_type for sig in pick.signatures}
+    assert returns == {(types.float32, types.float64): types.float64,
+                       (types.float32, types.float32): types.float32}
