@@ -105,7 +105,7 @@ TILE_GROUPS = 16
 # interleaved in one process. Step 1, T=300 N=20 I=H=800 (constant -> run-time count):
 #   forward   rnn_relu f32 71.2 -> 61.1 ms; rnn_tanh f64 170 -> 155; the others level
 #   backward  rnn_relu f32 75.2 -> 61.3 ms; rnn_tanh f32 79.9 -> 68.3; f64 120 -> 112
-# Steps 2 and 3 (GRU, LSTM and the clip now vectorise too; fused.py's git log has the
+# Steps 2 and 3 (the GRU and LSTM forward cells now vectorise too; commit deb396b has the
 # per-mode figures): GRU forward f32, T=50 N=64 I=H=512, 57.4 -> 32.8 ms, level with
 # the loop with no cell at all (33.0).
 

@@ -2,7 +2,7 @@
 
 Numba lowers math.exp / math.tanh to scalar libm calls (it has no SVML on this
 machine's builds), which cost ~100 ns per LSTM element per step and stop the loop
-vectoriser. These are plain arithmetic plus one bit-cast, so a loop over hidden
+vectoriser. These are plain arithmetic, one bit-cast and selects, so a loop over hidden
 units compiles to AVX2 code. Each is written for the argument's own precision:
 
     exp      Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, then a Taylor

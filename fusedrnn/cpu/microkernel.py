@@ -25,7 +25,7 @@ I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the 
 step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
 tile's arithmetic limits float64, so the simpler kernel stays. On a CPU with AVX-512VL
 (32 vector registers: znver4 here) the 3 x 4 tile does not spill at all, and a 6 x 4 one
-(29 registers, half the passes over each panel) was tried on 2026-11-24: the rnn_relu
+(29 registers; 4 passes over each panel at 20 rows, not 7) was tried on 2026-11-24: the rnn_relu
 float64 loop alone (T=300 N=20 I=H=800, 3 alternating processes) took 172-199 ms
 against 157-171 ms with 3 rows. Not kept.
 
@@ -147,6 +147,8 @@ def _register_rows(like):
 @overload(_register_rows)
 def _register_rows_overload(like):
     rows = ROWS[np.dtype(np.float32 if like == types.float32 else np.float64)]
+    if not 1 <= rows <= 6:   # the tiles below exist for 1..6 rows; a taller one would be cut
+        raise ValueError(f"microkernel.ROWS: tile heights 1..6 exist, got {rows}")
     return lambda like: rows
 
 

@@ -21,8 +21,11 @@ backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, clip_lo, clip_hi, clip_fla
     pre-activation (equal except GRU's n gate), the gradient that reaches h_prev directly
     (GRU's z*dh; else 0) and the one that reaches c_prev (LSTM's f*dc; else 0)
 
-All arithmetic stays in the data's precision (the activations come from mathfn), so a
-loop over units vectorises.
+All arithmetic stays in the arguments' precision (the activations come from mathfn) and
+every per-element conditional is a select, so a loop over units can vectorise: the fused
+loops' do (tests/cpu/test_vectorised_cells.py; fused.py's note above _columns says what
+else that took). The fused loops pass the clip bounds in the data's dtype; the per-step
+kernels (cells.py) pass Python floats, so there a clipped float32 cell runs in float64.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "cl
 
 @nb.njit(inline="always", cache=True)
 def clip(c, lo, hi, flags):
-    if flags & CLIP:   # selects, not branches, so the cell loop vectorises (mathfn.select)
+    if flags & CLIP:   # (loop-invariant); per element selects, not branches (mathfn.select)
         nan_to_lo = (flags & CLIP_NAN) != 0
         c = select(c < lo, lo, select(c > hi, hi, select(nan_to_lo & (c != c), lo, c)))
     return c

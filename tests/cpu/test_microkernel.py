@@ -149,7 +149,8 @@ def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K):
     assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
 
 
-# Run in a fresh process: the tile height is read from ROWS when a kernel is typed.
+# Run in a fresh process: the tile height is read from ROWS when a kernel is first typed
+# (in this process the kernels above have been typed already).
 SWAPPED_HEIGHTS = """
 import numpy as np, numba as nb
 from fusedrnn.cpu import microkernel as mk

@@ -1,14 +1,16 @@
 """The cell loops of the fused kernels compile to SIMD code.
 
 Results cannot show a scalar cell loop, only time can: for many sessions the GRU and
-LSTM cells ran scalar (Numba's negative-index wraparound on the tile's columns, and
-branches in the math; fused.py's note above _columns), costing 40% of a GRU loop, and
-the ReLU cell too (a constant trip count). This reads the optimised LLVM IR of each
-mode's fused forward and backward kernel, compiled afresh (the disk cache keeps no IR)
-for the signature an op call gave it: it must hold vector floating-point compares,
-multiplies, subtractions or divisions. Nothing else in those kernels makes them (the
-row moves only add vectors; the micro-kernel uses llvm.fmuladd), so they come from the
-vectorised cell.
+LSTM forward cells ran scalar (Numba's negative-index wraparound on the tile's columns,
+and branches in the math; fused.py's note above _columns), costing 40% of a GRU loop,
+and the ReLU cell too (a constant trip count). This reads the optimised LLVM IR of each
+mode's fused kernels, compiled afresh (the disk cache keeps no IR) for the signature an
+op call gave them: it must hold vector floating-point compares, multiplies, subtractions
+or divisions at least a 256-bit register wide (8 float32 or 4 float64 lanes). Nothing
+else in those kernels makes them (the row moves only add vectors; the micro-kernel uses
+llvm.fmuladd; workshare.py is integer code), so they come from the vectorised cell.
+On the commit before the fix, the GRU and LSTM forward cases fail (their backward
+cells and the rest already vectorised).
 """
 import re
 
@@ -21,34 +23,40 @@ from fusedrnn.config import CELLS
 from fusedrnn.cpu import fused
 from fusedrnn.layout import param_size
 
-CELL_VECTOR_OP = re.compile(r"= (fcmp \w+|fmul|fsub|fdiv)( \w+)* <\d+ x (float|double)>")
+CELL_VECTOR_OP = re.compile(r"= (?:fcmp \w+|fmul|fsub|fdiv)(?: \w+)* <(\d+) x (float|double)>")
+MIN_LANES = {"float": 8, "double": 4}
 
 
-def _train_once(mode, dtype):
-    """One fused training call (T > 1), which compiles the forward and backward kernels."""
+def _call_once(mode, dtype, steps):
+    """One fused call: with steps > 1 a training call (forward and backward kernels), with
+    steps == 1 an inference call (the T=1 form)."""
     rng = np.random.default_rng(0)
-    T, N, I, H = 3, 2, 4, 16
-    params = rng.standard_normal(param_size(mode=mode, input_size=I, state_size=H))
-    x = rng.standard_normal((T, N, I)).astype(dtype)
-    out, handle = fusedrnn.RNN(x, (params * 0.1).astype(dtype), state_size=H, num_layers=1,
-                               mode=mode, train=True)
+    N, I, H = 2, 4, 16
+    params = rng.standard_normal(param_size(mode=mode, input_size=I, state_size=H)) * 0.1
+    x = rng.standard_normal((steps, N, I)).astype(dtype)
+    kw = dict(state_size=H, num_layers=1, mode=mode)
+    if steps == 1:
+        fusedrnn.RNN(x, params.astype(dtype), **kw)
+        return
+    out, handle = fusedrnn.RNN(x, params.astype(dtype), **kw, train=True)
     fusedrnn.rnn_backward(handle, np.ones_like(out))
 
 
-# Each fresh compile takes ~15 s here: every mode both ways in float32, and float64 once
-# (the same source in the other precision).
+# Each fresh compile takes ~15 s here: every mode both ways in float32, float64 once (the
+# same source in the other precision), and the T=1 form once (its own compilation).
 CASES = [(mode, np.float32, kernel) for mode in CELLS for kernel in ("_forward", "_backward")]
-CASES.append(("lstm", np.float64, "_forward"))
+CASES += [("lstm", np.float64, "_forward"), ("gru", np.float32, "_forward_single")]
 
 
 @pytest.mark.parametrize("mode, dtype, kernel", CASES)
 def test_cell_loop_is_vectorised(mode, dtype, kernel):
     dispatcher = getattr(fused.fused_layer(mode, dtype), kernel)
     if not dispatcher.signatures:
-        _train_once(mode, dtype)
+        _call_once(mode, dtype, 1 if kernel == "_forward_single" else 3)
     assert dispatcher.signatures, f"{mode} {kernel}: the op call did not launch it"
     signature = dispatcher.signatures[0]
     fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
     fresh.compile(signature)
-    ir = fresh.inspect_llvm(signature)
-    assert CELL_VECTOR_OP.search(ir), f"{mode} {np.dtype(dtype)} {kernel}: the cell loop is scalar"
+    wide = [m for m in CELL_VECTOR_OP.finditer(fresh.inspect_llvm(signature))
+            if int(m.group(1)) >= MIN_LANES[m.group(2)]]
+    assert wide, f"{mode} {np.dtype(dtype)} {kernel}: the cell loop is scalar"
