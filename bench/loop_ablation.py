@@ -1,0 +1,132 @@
+"""Where the fused CPU loop's time goes: the loop alone, with parts of it removed.
+
+    python bench/loop_ablation.py MODE [--dtype float32] [--shape T,N,I,H] [--rounds 9]
+        [--variants base,no_cell,...] [--backward]
+
+Builds variants of fusedrnn/cpu/fused.py's kernels from its source with one part cut
+out, compiles each in this process (no disk cache), and times FusedLayer.forward (or
+.backward, with --backward) through the op, the variants interleaved round by round
+after a 0.3 s pause each (runner.py says why). Only the loop is timed, not the
+projection or the GEMMs around it. A variant's results are wrong by design: compare
+times only. Variants:
+    base       the kernel as it is
+    no_cell    the cell loop runs zero times (the row moves and the GEMMs stay)
+    no_gemm    the recurrent product W_h h is skipped (forward only)
+    gemm_only  the per-sample part (row moves and cell) is skipped (forward only)
+    no_gemm_no_cell   both of the first two (forward only)
+Prints the median and minimum milliseconds per call of each. This is how the figures
+of fused.py's note above _columns were measured (e.g. `python bench/loop_ablation.py
+gru --shape 50,64,512,512 --variants base,no_cell`).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import numpy as np
+
+import fusedrnn
+from fusedrnn.cpu import fused
+
+# Source text each cut replaces, per kernel: (pattern, replacement). A pattern that no
+# longer occurs raises, so the script cannot quietly time the uncut kernel.
+_CELL_FORWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
+                 "                            h, c, s0")
+_CELL_BACKWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
+                  "                            dx0, dx1")
+_GEMM = ("                        if not single_step:\n                            panel_gemm(")
+_SAMPLES = ("                    for n in range(N):\n"
+            "                        # Addresses of this sample's rows (all arrays C-contiguous).\n"
+            "                        trow = tile.ctypes.data + n * row * itemsize\n"
+            "                        h_prev = h_rows")
+CUTS = {
+    "forward": {
+        "base": [],
+        "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
+        "no_gemm": [(_GEMM, _GEMM.replace("panel_gemm(", "continue\n                            panel_gemm("))],
+        "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
+    },
+    "backward": {
+        "base": [],
+        "no_cell": [(_CELL_BACKWARD, _CELL_BACKWARD.replace("range(lanes)", "range(0)"))],
+    },
+}
+CUTS["forward"]["no_gemm_no_cell"] = CUTS["forward"]["no_gemm"] + CUTS["forward"]["no_cell"]
+
+
+def variant_source(source, cuts):
+    """fused.py's source with the cuts applied and Numba's disk cache off."""
+    for pattern, replacement in cuts:
+        if source.count(pattern) != 1:
+            raise RuntimeError(f"loop_ablation: fused.py no longer has exactly one {pattern!r}")
+        source = source.replace(pattern, replacement)
+    return source.replace("cache=True", "cache=False")
+
+
+def variant_layer(name, cuts, mode, dtype):
+    """A FusedLayer built from the cut source, as a module of its own."""
+    module = types.ModuleType(f"fusedrnn.cpu._ablation_{name}")
+    module.__package__, module.__file__ = "fusedrnn.cpu", fused.__file__
+    with open(fused.__file__) as f:
+        exec(compile(variant_source(f.read(), cuts), f"fused.py ({name})", "exec"),
+             module.__dict__)
+    return module.FusedLayer(mode, dtype)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=fusedrnn.MODES)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--shape", default="300,20,800,800", help="T,N,I,H")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--variants", default=None, help="comma-separated; default: all")
+    p.add_argument("--backward", action="store_true", help="time the backward loop")
+    args = p.parse_args()
+    direction = "backward" if args.backward else "forward"
+    names = args.variants.split(",") if args.variants else list(CUTS[direction])
+    dtype = np.dtype(args.dtype)
+    T, N, I, H = (int(v) for v in args.shape.split(","))
+    layers = {name: variant_layer(name, CUTS[direction][name], args.mode, dtype)
+              for name in names}
+
+    rng = np.random.default_rng(0)
+    layout = fusedrnn.param_layout(mode=args.mode, input_size=I, state_size=H, num_layers=1)
+    data = rng.standard_normal((T, N, I)).astype(dtype)
+    params = rng.uniform(-H ** -0.5, H ** -0.5, layout.size).astype(dtype)
+    dout = rng.standard_normal((T, N, H)).astype(dtype)
+    kw = dict(state_size=H, num_layers=1, mode=args.mode)
+
+    # The op calls FusedLayer.<direction>; route it to the variant under test, timed.
+    current, spent = {}, [0.0]
+
+    def timed(self, *a, **k):
+        start = time.perf_counter()
+        getattr(current["layer"], direction)(*a, **k)
+        spent[0] += time.perf_counter() - start
+    setattr(fused.FusedLayer, direction, timed)
+
+    def call():
+        if args.backward:
+            fusedrnn.rnn_backward(fusedrnn.RNN(data, params, **kw, train=True)[1], dout)
+        else:
+            fusedrnn.RNN(data, params, **kw)
+
+    times = {name: [] for name in names}
+    for round_ in range(args.rounds + 1):      # round 0: compile and warm up, untimed
+        for name, layer in layers.items():
+            current["layer"] = layer
+            time.sleep(0.3)
+            spent[0] = 0.0
+            call()
+            if round_:
+                times[name].append(spent[0] * 1e3)
+    print(f"{args.mode} {dtype} T,N,I,H={args.shape} {direction} loop alone, "
+          f"{args.rounds} interleaved rounds:")
+    for name, t in times.items():
+        print(f"  {name:16s} median {statistics.median(t):7.1f} ms   min {min(t):7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
