@@ -140,34 +140,27 @@ _tileT1, _tileT2, _tileT3, _tileT4, _tileT5, _tileT6 = (_tile_intrinsic(r, True)
                                                         for r in range(1, 7))
 
 
-def _register_rows(like):
-    return ROWS[np.dtype(type(like))]
+def _tile_params(like):
+    """(rows per register tile, element size in bytes) for like's dtype: each from the
+    dtype itself, neither from the other (a259e6a)."""
+    dtype = np.dtype(type(like))
+    return ROWS[dtype], dtype.itemsize
 
 
-@overload(_register_rows)
-def _register_rows_overload(like):
-    rows = ROWS[np.dtype(np.float32 if like == types.float32 else np.float64)]
+@overload(_tile_params)
+def _tile_params_overload(like):
+    dtype = np.dtype(np.float32 if like == types.float32 else np.float64)
+    rows, size = ROWS[dtype], dtype.itemsize
     if not 1 <= rows <= 6:   # the tiles below exist for 1..6 rows; a taller one would be cut
         raise ValueError(f"microkernel.ROWS: tile heights 1..6 exist, got {rows}")
-    return lambda like: rows
-
-
-def _itemsize(like):
-    return np.dtype(type(like)).itemsize
-
-
-@overload(_itemsize)
-def _itemsize_overload(like):
-    size = 4 if like == types.float32 else 8
-    return lambda like: size
+    return lambda like: (rows, size)
 
 
 @nb.njit(inline="always")
 def panel_gemm(a, lda, rows, panel, c, ldc, k, like):
     """The micro-kernel over `rows` rows (module docstring); `like`: a scalar of the data's
     dtype, which picks the precision."""
-    mr = _register_rows(like)
-    itemsize = _itemsize(like)
+    mr, itemsize = _tile_params(like)
     # Balanced tiles (20 rows: 4 x 5, not 6+6+6+2): a thin tail tile does a third of the
     # FMAs per panel load of a full one.
     tiles = (rows + mr - 1) // mr
@@ -195,8 +188,7 @@ def panel_gemm_t(a, lda, rows, panel, c, ldc, k, like):
     """panel_gemm storing C^T: C (PANEL, rows) with row stride ldc gets (A @ panel)^T.
     Used with A = raw weight rows and panel = 16 samples of the input packed as columns,
     so a weight matrix used once per call (a T=1 step) is read in place, never packed."""
-    mr = _register_rows(like)
-    itemsize = _itemsize(like)
+    mr, itemsize = _tile_params(like)
     tiles = (rows + mr - 1) // mr
     r = 0
     for i in range(tiles):
