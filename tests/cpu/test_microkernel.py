@@ -187,3 +187,27 @@ def test_tile_height_does_not_decide_the_element_size():
     done = subprocess.run([sys.executable, "-c", SWAPPED_HEIGHTS], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+TALL_TILE = """
+import numpy as np, numba as nb
+from fusedrnn.cpu import microkernel as mk
+mk.ROWS[np.dtype(np.float32)] = 7
+gemm = mk.panel_gemm_for(np.float32)
+
+@nb.njit
+def run(a, panel, c):
+    gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
+         c.shape[1], a.shape[1])
+a = np.ones((8, 4), np.float32)
+run(a, np.ones((4, mk.PANEL), np.float32), np.empty((8, mk.PANEL), np.float32))
+"""
+
+
+def test_a_tile_height_without_a_tile_is_refused():
+    """ROWS above the tallest tile (6) would compute 6 rows of each 7 and leave the rest
+    unwritten; typing the kernel refuses it instead."""
+    done = subprocess.run([sys.executable, "-c", TALL_TILE], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0
+    assert "tile heights 1..6 exist, got 7" in done.stderr, done.stderr[-2000:]
