@@ -4,6 +4,8 @@ stride of A wider than K and a C wider than the panels whose padding columns mus
 untouched; its transposed-store form (panel_gemm_t) the same way; pack_columns and
 pack_rows element by element against their docstrings."""
 import functools
+import platform
+import re
 import subprocess
 import sys
 
@@ -211,3 +213,61 @@ def test_a_tile_height_without_a_tile_is_refused():
                           timeout=600)
     assert done.returncode != 0
     assert "tile heights 1..6 exist, got 7" in done.stderr, done.stderr[-2000:]
+
+
+# The tile's k-loop in the asm of a kernel that uses it: a block holding at least 8 FMAs.
+# A general register reloaded from the stack there is a load the loop did not need.
+_FMA = re.compile(r"^\s*vfmadd\w*\s", re.M)
+_STACK_RELOAD = re.compile(r"^\s*mov\w*\s+-?\w*\(%rsp\), %[re]\w+$", re.M)
+
+
+def _tile_loops(asm):
+    blocks, current = [], None
+    for line in asm.splitlines():
+        if re.match(r"^[.\w$]+:", line):
+            current = []
+            blocks.append(current)
+        elif current is not None:
+            current.append(line)
+    return ["\n".join(b) for b in blocks if len(_FMA.findall("\n".join(b))) >= 8]
+
+
+def _fresh_asm(dispatcher):
+    """The asm of `dispatcher` compiled afresh for the signature it has (the disk cache
+    keeps no asm)."""
+    signature = dispatcher.signatures[0]
+    fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
+    fresh.compile(signature)
+    return fresh.inspect_asm(signature)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="reads x86-64 asm; the property is about x86's 16 general registers")
+@pytest.mark.parametrize("kernel", ["projection", "fused forward"])
+def test_tile_loop_reloads_nothing_from_the_stack(kernel):
+    """The tiles are their own noinline functions (module docstring of microkernel.py):
+    inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
+    from the stack per unrolled pair of k, and 2-7 in the fused loop. Fails if the tile is
+    inlined again."""
+    import fusedrnn
+    from fusedrnn.cpu import fused, gemm
+    rng = np.random.default_rng(3)
+    if kernel == "projection":
+        a = rng.standard_normal((40, 24)).astype(np.float32)
+        w = rng.standard_normal((48, 24)).astype(np.float32)
+        wpack = gemm.pack_input_weights([w], np.empty((3, 24, PANEL), np.float32))
+        c = np.full((40, 48), np.nan, np.float32)
+        gemm.project(a, wpack, c, np.empty((1, gemm.CHUNK, PANEL), np.float32))
+        np.testing.assert_allclose(c, a @ w.T, rtol=1e-5, atol=1e-5)
+        dispatcher = gemm._project
+    else:
+        x = rng.standard_normal((3, 20, 8)).astype(np.float32)
+        params = rng.standard_normal(fusedrnn.param_size(mode="rnn_relu", input_size=8,
+                                                         state_size=32)).astype(np.float32)
+        fusedrnn.RNN(x, params, state_size=32, num_layers=1, mode="rnn_relu")
+        dispatcher = fused.fused_layer("rnn_relu", np.float32)._forward
+    assert dispatcher.signatures, f"{kernel}: the call did not launch it"
+    loops = _tile_loops(_fresh_asm(dispatcher))
+    assert loops, f"{kernel}: no tile k-loop found in the asm"
+    reloads = [len(_STACK_RELOAD.findall(loop)) for loop in loops]
+    assert not any(reloads), f"{kernel}: stack reloads per tile k-loop {reloads}"
