@@ -15,19 +15,33 @@ there by keeping W_h h in a cache-resident tile and skipping a second parallel r
 Numba cannot keep a tile of accumulators in vector registers on its own (its loop
 vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
 as LLVM IR through a Numba intrinsic: MR x (16 / lanes) vector accumulators, one
-broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one). With AVX2,
-float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors and a broadcast fit the
-16 registers. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
+broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one).
+
+The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256:
+float32 runs 6 rows x 1 zmm (6 accumulators; LLVM folds the broadcast into the FMA as
+an embedded {1to16} operand), float64 3 rows x 2 zmm. Measured on the Zen 4 machine
+(which executes a 512-bit FMA as two 256-bit halves, so the peak is the same), the
+projection alone, M=2880 K=800 C=3200 float32, median of 11: 2 threads 148 GFLOP/s
+with 6 x 2 ymm, 194 with 6 x 1 zmm, 187 with 8 rows, 176 with 12, numpy's sgemm 189 in
+the same run; one thread 85 / 97 / 100 / 95 against numpy's 102. Half the instructions
+per FMA leave the out-of-order window room to hide the panel's L2 latency. Through the
+op, T=300 N=20 I=H=800 inference, 3 alternating process pairs against 6 x 2 ymm: LSTM
+431/494/443 -> 370/384/401 ms, GRU 345/309/313 -> 291/276/313 ms; float64 rnn_relu and
+GRU within noise (273-312 against 282-314 ms, 620-754 against 630-739 ms; float64 is
+bound by streaming W_h from L3, below), and float64 at 6 rows x 2 zmm the same again.
+Results are bitwise equal at either width (the same FMAs in the same order per element).
+
+With AVX2 (16 registers), float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors
+and a broadcast fit. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
 accumulator on the stack. A spill-free float64 tile (6 rows x 2 ymm, two passes over
 the panel's halves) was tried on 2026-11-23. It raised bench/microkernel.py at 800
 columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300 N=20
 I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
 step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
-tile's arithmetic limits float64, so the simpler kernel stays. On a CPU with AVX-512VL
-(32 vector registers: znver4 here) the 3 x 4 tile does not spill at all, and a 6 x 4 one
-(29 registers; 4 passes over each panel at 20 rows, not 7) was tried on 2026-11-24: the rnn_relu
-float64 loop alone (T=300 N=20 I=H=800, 3 alternating processes) took 172-199 ms
-against 157-171 ms with 3 rows. Not kept.
+tile's arithmetic limits float64, so the simpler kernel stays. With 256-bit vectors on
+AVX-512VL (32 registers) a 6 x 4 ymm float64 tile (29 registers; 4 passes over each panel
+at 20 rows, not 7) was tried on 2026-11-24: the rnn_relu float64 loop alone (T=300 N=20
+I=H=800, 3 alternating processes) took 172-199 ms against 157-171 ms with 3 rows.
 
 Each tile is emitted once per LLVM module as its own `noinline` function, called from
 the kernels that use it. Inlined (before 2026-11-24), the k-loop shared the 16 general
@@ -61,6 +75,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -73,11 +88,26 @@ PANEL = 16                                        # columns per packed panel
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}   # MR: rows per register tile
 
 
+def _target_vector_bits():
+    """512 where the CPU Numba compiles for has AVX-512F, else 256: the features Numba's
+    JIT target uses (NUMBA_CPU_FEATURES if set, else the host's)."""
+    features = nb.config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return 512 if "+avx512f" in features.split(",") else 256
+
+
+# Vector width of the tile's accumulators and panel loads (module docstring: the
+# measurement behind 512). Read when a tile is compiled; Numba's disk cache keys on the
+# CPU's features, so machine code for one width is not reused on a CPU of the other.
+VECTOR_BITS = _target_vector_bits()
+
+
 def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):
     """The tile's body (see _tile_intrinsic), into `builder`'s function; all six
     arguments are intp values: addresses and element counts."""
     intp = a.type
-    lanes = 8 if single else 4                    # one 256-bit vector
+    lanes = VECTOR_BITS // (32 if single else 64)
     vectors = PANEL // lanes
     scalar = ir.FloatType() if single else ir.DoubleType()
     vec = ir.VectorType(scalar, lanes)
@@ -145,7 +175,8 @@ def _tile_intrinsic(rows, transposed):
             intp = ints[0].type
             # Its own function, never inlined, so that its k-loop has the general
             # registers to itself (module docstring: the stack reloads it had inlined).
-            name = f"fusedrnn_tile{rows}{'t' if transposed else ''}_{'f32' if single else 'f64'}"
+            name = (f"fusedrnn_tile{rows}{'t' if transposed else ''}_"
+                    f"{'f32' if single else 'f64'}_{VECTOR_BITS}")
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [intp] * 6), name)
             if fn.is_declaration:

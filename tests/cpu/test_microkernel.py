@@ -2,7 +2,10 @@
 row count up to two register tiles (and 20, the balanced 4 x 5 split), with a row
 stride of A wider than K and a C wider than the panels whose padding columns must stay
 untouched; its transposed-store form (panel_gemm_t) the same way; pack_columns and
-pack_rows element by element against their docstrings."""
+pack_rows element by element against their docstrings. Then what the module docstring
+claims of the compiled code: the tile heights and the vector width (VECTOR_BITS, both
+widths on any CPU) are independent of the element size, and a tile's k-loop reloads
+nothing from the stack."""
 import functools
 import platform
 import re
@@ -271,3 +274,53 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     assert loops, f"{kernel}: no tile k-loop found in the asm"
     reloads = [len(_STACK_RELOAD.findall(loop)) for loop in loops]
     assert not any(reloads), f"{kernel}: stack reloads per tile k-loop {reloads}"
+
+
+@pytest.mark.parametrize("features, bits", [
+    ("+avx2,+fma,-avx512f", 256), ("+avx2,+fma,+avx512f,+avx512vl", 512),
+    ("+sse4.2", 256), ("", 256), ("+avx512fp16,-avx512f", 256)])
+def test_vector_width_follows_the_targets_avx512f(monkeypatch, features, bits):
+    from fusedrnn.cpu import microkernel as mk
+    monkeypatch.setattr(nb.config, "CPU_FEATURES", features)
+    assert mk._target_vector_bits() == bits
+
+
+# The width this CPU does not pick, in a fresh process (it is read when a tile compiles):
+# 512-bit IR on an AVX2 CPU is split into 256-bit halves by LLVM; either way the
+# products must be right, for every tile height and the transposed store.
+OTHER_WIDTH = """
+import numpy as np, numba as nb
+from fusedrnn.cpu import microkernel as mk
+mk.VECTOR_BITS = 768 - mk.VECTOR_BITS
+for dtype in (np.float32, np.float64):
+    gemm = mk.panel_gemm_for(dtype)
+    zero = np.dtype(dtype).type(0)
+
+    @nb.njit
+    def run(a, panel, c, ct):
+        gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
+             c.shape[1], a.shape[1])
+        mk.panel_gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data,
+                        ct.ctypes.data, ct.shape[1], a.shape[1], zero)
+    rng = np.random.default_rng(11)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 20):
+        a = rng.standard_normal((rows, 33)).astype(dtype)
+        panel = rng.standard_normal((33, mk.PANEL)).astype(dtype)
+        c = np.full((rows, mk.PANEL), np.nan, dtype)
+        ct = np.full((mk.PANEL, rows), np.nan, dtype)
+        run(a, panel, c, ct)
+        want = a.astype(np.float64) @ panel.astype(np.float64)
+        tol = (1e-5 if dtype == np.float32 else 1e-12) * np.max(np.abs(want))
+        assert np.max(np.abs(c - want)) <= tol, (dtype, rows)
+        assert np.max(np.abs(ct - want.T)) <= tol, (dtype, rows)
+print("ok", mk.VECTOR_BITS)
+"""
+
+
+def test_the_other_vector_width_computes_the_same():
+    """Both widths run wherever CI runs, whichever its CPU picks."""
+    from fusedrnn.cpu import microkernel as mk
+    done = subprocess.run([sys.executable, "-c", OTHER_WIDTH], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", str(768 - mk.VECTOR_BITS)]
