@@ -50,7 +50,7 @@ from numba import prange
 from ..config import CELLS
 from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
-from .microkernel import PANEL, panel_gemm, panel_gemm_t
+from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t
 from .rows import row_add, row_add3, row_copy
 from .workshare import claim, finish, new_counters
 from .threads import LAUNCH_LOCK
@@ -403,12 +403,17 @@ class FusedLayer:
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
         # Whether project() replaces the driver's input GEMM: in float32, yes (gemm.py
-        # says why). In float64 numpy's dgemm wins even with its threads left spinning
-        # against the loop: measured through the op, T=300 N=20 I=H=800, median of 7
-        # interleaved, ours against numpy's: rnn_relu 452 / 392 ms, GRU 1333 / 1057,
-        # LSTM 1833 / 1488, LSTM training 4186 / 3781 (float32: rnn_relu 118 / 175,
-        # GRU 313 / 371, LSTM 401 / 455).
-        self.projects_input = self.dtype == np.float32
+        # says why). In float64 with 256-bit tiles, no: numpy's dgemm won even with its
+        # threads left spinning against the loop (AVX2 machine, T=300 N=20 I=H=800,
+        # median of 7 interleaved, ours against numpy's: rnn_relu 452 / 392 ms, GRU
+        # 1333 / 1057, LSTM 1833 / 1488, LSTM training 4186 / 3781). With 512-bit tiles
+        # (microkernel.VECTOR_BITS), yes: alone ours runs level with dgemm at C=800 (92.9
+        # / 92.5 GFLOP/s) and 6-10% behind at C=3200, and the loop no longer competes with
+        # spinning threads. Zen 4, 3 alternating process pairs, numpy's then ours:
+        # rnn_relu inference 242/257/264 -> 179/204/196 ms, GRU 621/595 -> 558/556, LSTM
+        # 795/793/797 -> 820/756/738, rnn_tanh training 657/607 -> 557/555, LSTM training
+        # 2224/2202 -> 2161/2250 (with ROWS[float64] = 6).
+        self.projects_input = self.dtype == np.float32 or VECTOR_BITS == 512
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))

@@ -6,9 +6,10 @@ fused loop that follows competes with them for the same 2 cores. Measured on the
 machine, rnn_relu T=300 N=20 I=H=800 float32: the fused loop takes 210 ms right after an
 OpenBLAS GEMM and 143 ms when started 0.3 s later (132 ms with OPENBLAS_THREAD_TIMEOUT=4,
 which a library cannot set). Running the projection with the fused loop's own
-micro-kernel keeps an inference call on one thread pool. That holds in float32 only:
-in float64 this kernel runs at about half of numpy's dgemm, which wins despite its
-spinning threads (FusedLayer.projects_input gives the measurement).
+micro-kernel keeps an inference call on one thread pool. That holds in float32, and in
+float64 where the tiles are 512 bits wide; with 256-bit float64 tiles this kernel ran at
+about half of numpy's dgemm, which won despite its spinning threads
+(FusedLayer.projects_input gives the measurements).
 
 pack_input_weights(ws, out)
     ws     sequence of (G*H, K) arrays, the input weights of each direction, in order

@@ -19,7 +19,7 @@ broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one).
 
 The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256:
 float32 runs 6 rows x 1 zmm (6 accumulators; LLVM folds the broadcast into the FMA as
-an embedded {1to16} operand), float64 3 rows x 2 zmm. Measured on the Zen 4 machine
+an embedded {1to16} operand), float64 6 rows x 2 zmm. Measured on the Zen 4 machine
 (which executes a 512-bit FMA as two 256-bit halves, so the peak is the same), the
 projection alone, M=2880 K=800 C=3200 float32, median of 11: 2 threads 148 GFLOP/s
 with 6 x 2 ymm, 194 with 6 x 1 zmm, 187 with 8 rows, 176 with 12, numpy's sgemm 189 in
@@ -27,9 +27,12 @@ the same run; one thread 85 / 97 / 100 / 95 against numpy's 102. Half the instru
 per FMA leave the out-of-order window room to hide the panel's L2 latency. Through the
 op, T=300 N=20 I=H=800 inference, 3 alternating process pairs against 6 x 2 ymm: LSTM
 431/494/443 -> 370/384/401 ms, GRU 345/309/313 -> 291/276/313 ms; float64 rnn_relu and
-GRU within noise (273-312 against 282-314 ms, 620-754 against 630-739 ms; float64 is
-bound by streaming W_h from L3, below), and float64 at 6 rows x 2 zmm the same again.
-Results are bitwise equal at either width (the same FMAs in the same order per element).
+GRU within noise (3 x 2 zmm against 3 x 4 ymm). float64's 6 rows: the projection alone
+(M=6000 K=800 C=3200, 2 threads, median of 7) 93.8 GFLOP/s with 3 rows, 92.0 with 4,
+98.8 with 6, numpy's dgemm 105-109; in the fused loop alone 3 and 6 rows time the same.
+At 512 bits float64 also takes this kernel for its input projection
+(FusedLayer.projects_input gives that measurement). Results are bitwise equal at either
+width (the same FMAs in the same order per element).
 
 With AVX2 (16 registers), float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors
 and a broadcast fit. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
@@ -85,7 +88,6 @@ __all__ = ["PANEL", "ROWS", "panel_gemm", "panel_gemm_t", "panel_gemm_for", "pac
            "pack_rows"]
 
 PANEL = 16                                        # columns per packed panel
-ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}   # MR: rows per register tile
 
 
 def _target_vector_bits():
@@ -101,6 +103,9 @@ def _target_vector_bits():
 # measurement behind 512). Read when a tile is compiled; Numba's disk cache keys on the
 # CPU's features, so machine code for one width is not reused on a CPU of the other.
 VECTOR_BITS = _target_vector_bits()
+# MR: rows per register tile. float64 at 512 bits: 6 x 2 zmm, 12 accumulators of 32
+# registers (module docstring); at 256 bits 6 rows would need 24 of 16.
+ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if VECTOR_BITS == 512 else 3}
 
 
 def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):

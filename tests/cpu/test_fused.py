@@ -17,7 +17,7 @@ import pytest
 import fusedrnn
 from conftest import MODES, make_case, rel_err
 from fusedrnn.config import CELLS, RNNConfig
-from fusedrnn.cpu import CpuBackend
+from fusedrnn.cpu import CpuBackend, microkernel
 from fusedrnn.cpu.fused import (TILE_GROUPS, FusedLayer, fused_layer, pack_recurrent,
                                 pack_recurrent_rows, panels)
 from fusedrnn.cpu.microkernel import PANEL, pack_columns, pack_rows
@@ -200,12 +200,13 @@ def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
     """float32 projects on the micro-kernel (project() runs, its panels are carved);
-    float64 leaves the GEMM to numpy (project() never runs, no panels carved)."""
+    float64 too where the tiles are 512 bits wide, else it leaves the GEMM to numpy
+    (project() never runs, no panels carved)."""
     layer = fused_layer("gru", dtype)
     config = RNNConfig(mode="gru", state_size=20, num_layers=2, input_size=9,
                        bidirectional=True)
     shapes = layer.forward_scratch(config, 5, 3)
-    own = dtype == np.float32
+    own = dtype == np.float32 or microkernel.VECTOR_BITS == 512
     assert layer.projects_input is own
     assert bool(np.prod(shapes["wx_panels"])) == own and bool(np.prod(shapes["spill"])) == own
     calls, real = [], FusedLayer.project

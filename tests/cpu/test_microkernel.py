@@ -225,6 +225,8 @@ _STACK_RELOAD = re.compile(r"^\s*mov\w*\s+-?\w*\(%rsp\), %[re]\w+$", re.M)
 
 
 def _tile_loops(asm):
+    """Each labelled block up to its first jump (the loop's back edge; what follows it
+    runs once, after the loop), kept where it holds at least 8 FMAs."""
     blocks, current = [], None
     for line in asm.splitlines():
         if re.match(r"^[.\w$]+:", line):
@@ -232,13 +234,14 @@ def _tile_loops(asm):
             blocks.append(current)
         elif current is not None:
             current.append(line)
+            if re.match(r"^\s*j\w+\s", line):
+                current = None
     return ["\n".join(b) for b in blocks if len(_FMA.findall("\n".join(b))) >= 8]
 
 
-def _fresh_asm(dispatcher):
-    """The asm of `dispatcher` compiled afresh for the signature it has (the disk cache
-    keeps no asm)."""
-    signature = dispatcher.signatures[0]
+def _fresh_asm(dispatcher, signature):
+    """The asm of `dispatcher` compiled afresh for `signature` (the disk cache keeps no
+    asm)."""
     fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
     fresh.compile(signature)
     return fresh.inspect_asm(signature)
@@ -246,7 +249,7 @@ def _fresh_asm(dispatcher):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
-@pytest.mark.parametrize("kernel", ["projection", "fused forward"])
+@pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward"])
 def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
@@ -255,22 +258,25 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     import fusedrnn
     from fusedrnn.cpu import fused, gemm
     rng = np.random.default_rng(3)
-    if kernel == "projection":
-        a = rng.standard_normal((40, 24)).astype(np.float32)
-        w = rng.standard_normal((48, 24)).astype(np.float32)
-        wpack = gemm.pack_input_weights([w], np.empty((3, 24, PANEL), np.float32))
-        c = np.full((40, 48), np.nan, np.float32)
-        gemm.project(a, wpack, c, np.empty((1, gemm.CHUNK, PANEL), np.float32))
+    if kernel.startswith("projection"):
+        dtype = np.float64 if kernel.endswith("float64") else np.float32
+        a = rng.standard_normal((40, 24)).astype(dtype)
+        w = rng.standard_normal((48, 24)).astype(dtype)
+        wpack = gemm.pack_input_weights([w], np.empty((3, 24, PANEL), dtype))
+        c = np.full((40, 48), np.nan, dtype)
+        gemm.project(a, wpack, c, np.empty((1, gemm.CHUNK, PANEL), dtype))
         np.testing.assert_allclose(c, a @ w.T, rtol=1e-5, atol=1e-5)
         dispatcher = gemm._project
+        signature = next(s for s in dispatcher.signatures if s[0].dtype == nb.from_dtype(dtype))
     else:
         x = rng.standard_normal((3, 20, 8)).astype(np.float32)
         params = rng.standard_normal(fusedrnn.param_size(mode="rnn_relu", input_size=8,
                                                          state_size=32)).astype(np.float32)
         fusedrnn.RNN(x, params, state_size=32, num_layers=1, mode="rnn_relu")
         dispatcher = fused.fused_layer("rnn_relu", np.float32)._forward
-    assert dispatcher.signatures, f"{kernel}: the call did not launch it"
-    loops = _tile_loops(_fresh_asm(dispatcher))
+        assert dispatcher.signatures, f"{kernel}: the call did not launch it"
+        signature = dispatcher.signatures[0]
+    loops = _tile_loops(_fresh_asm(dispatcher, signature))
     assert loops, f"{kernel}: no tile k-loop found in the asm"
     reloads = [len(_STACK_RELOAD.findall(loop)) for loop in loops]
     assert not any(reloads), f"{kernel}: stack reloads per tile k-loop {reloads}"
