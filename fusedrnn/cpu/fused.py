@@ -50,7 +50,8 @@ from numba import prange
 from ..config import CELLS
 from .gemm import CHUNK, pack_input_weights, project
 from .mathfn import zero_like
-from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t
+from . import microkernel
+from .microkernel import PANEL, panel_gemm, panel_gemm_t
 from .rows import row_add, row_add3, row_copy
 from .workshare import claim, finish, new_counters
 from .threads import LAUNCH_LOCK
@@ -409,11 +410,11 @@ class FusedLayer:
         # 1333 / 1057, LSTM 1833 / 1488, LSTM training 4186 / 3781). With 512-bit tiles
         # (microkernel.VECTOR_BITS), yes: alone ours runs level with dgemm at C=800 (92.9
         # / 92.5 GFLOP/s) and 6-10% behind at C=3200, and the loop no longer competes with
-        # spinning threads. Zen 4, 3 alternating process pairs, numpy's then ours:
+        # spinning threads. Zen 4, 2-3 alternating process pairs, numpy's then ours:
         # rnn_relu inference 242/257/264 -> 179/204/196 ms, GRU 621/595 -> 558/556, LSTM
         # 795/793/797 -> 820/756/738, rnn_tanh training 657/607 -> 557/555, LSTM training
         # 2224/2202 -> 2161/2250 (with ROWS[float64] = 6).
-        self.projects_input = self.dtype == np.float32 or VECTOR_BITS == 512
+        self.projects_input = self.dtype == np.float32 or microkernel.VECTOR_BITS == 512
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))

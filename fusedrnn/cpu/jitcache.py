@@ -52,6 +52,14 @@ def _digest(stats):
     return h.hexdigest()
 
 
+def _tile_settings():
+    """The micro-kernel's run-time settings that compiled code depends on (its vector
+    width and tile heights): a process that overrides them must not load, or leave
+    behind, machine code of the others."""
+    from . import microkernel
+    return microkernel.VECTOR_BITS, tuple(sorted((str(k), v) for k, v in microkernel.ROWS.items()))
+
+
 def _ours(base):
     """`base`, one of Numba's source-file locators, limited to this package's files and
     with the dependency digest in its stamp."""
@@ -64,7 +72,7 @@ def _ours(base):
             return super().from_function(py_func, py_file)
 
         def get_source_stamp(self):
-            return super().get_source_stamp(), dependency_digest()
+            return super().get_source_stamp(), dependency_digest(), _tile_settings()
 
     Locator.__name__ = Locator.__qualname__ = f"FusedRNN{base.__name__.lstrip('_')}"
     return Locator

@@ -32,7 +32,9 @@ GRU within noise (3 x 2 zmm against 3 x 4 ymm). float64's 6 rows: the projection
 98.8 with 6, numpy's dgemm 105-109; in the fused loop alone 3 and 6 rows time the same.
 At 512 bits float64 also takes this kernel for its input projection
 (FusedLayer.projects_input gives that measurement). Results are bitwise equal at either
-width (the same FMAs in the same order per element).
+width (the same FMAs in the same order per element). Only Zen 4 was measured: on an
+Intel CPU with AVX-512 (two 512-bit FMA ports on some parts, lower clocks under 512-bit
+load on others) the rule is untested.
 
 With AVX2 (16 registers), float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors
 and a broadcast fit. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
@@ -50,7 +52,7 @@ Each tile is emitted once per LLVM module as its own `noinline` function, called
 the kernels that use it. Inlined (before 2026-11-24), the k-loop shared the 16 general
 registers with the enclosing kernel's live values, and LLVM reloaded row addresses from
 the stack inside it: in the asm of the projection's kernel 8 stack loads per unrolled
-pair of k beside 16 broadcasts, in the fused rnn_relu forward 2-7 per loop. As a
+pair of k beside 16 broadcasts, in the fused rnn_relu forward 1-7 per loop. As a
 function it needs 9 and reloads none (tests/cpu/test_microkernel.py checks the asm).
 Measured on the Zen 4 machine: the projection alone (M=3000 K=800 C=3200 float32, one
 thread, median of 11-15) 88.8 -> 98.9 GFLOP/s, numpy's sgemm 103-107; through the op,
@@ -78,34 +80,41 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic, overload
 
-__all__ = ["PANEL", "ROWS", "panel_gemm", "panel_gemm_t", "panel_gemm_for", "pack_columns",
-           "pack_rows"]
+__all__ = ["PANEL", "ROWS", "VECTOR_BITS", "rows_for", "panel_gemm", "panel_gemm_t",
+           "panel_gemm_for", "pack_columns", "pack_rows"]
 
 PANEL = 16                                        # columns per packed panel
 
 
 def _target_vector_bits():
     """512 where the CPU Numba compiles for has AVX-512F, else 256: the features Numba's
-    JIT target uses (NUMBA_CPU_FEATURES if set, else the host's)."""
+    JIT target uses (NUMBA_CPU_FEATURES if set, else the host's as Numba reports them,
+    which NUMBA_ENABLE_AVX=0 strips of AVX)."""
     features = nb.config.CPU_FEATURES
     if features is None:
-        features = llvm.get_host_cpu_features().flatten()
+        features = numba_codegen.get_host_cpu_features()
     return 512 if "+avx512f" in features.split(",") else 256
 
 
+def rows_for(vector_bits):
+    """MR, rows per register tile, per dtype at a vector width. float64 at 512 bits: 6 x
+    2 zmm, 12 accumulators of 32 registers (module docstring); at 256 bits 6 rows would
+    need 24 of 16."""
+    return {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if vector_bits == 512 else 3}
+
+
 # Vector width of the tile's accumulators and panel loads (module docstring: the
-# measurement behind 512). Read when a tile is compiled; Numba's disk cache keys on the
-# CPU's features, so machine code for one width is not reused on a CPU of the other.
+# measurement behind 512), and the tile heights. Both are read when a tile is compiled,
+# and jitcache.py puts both in the disk cache's stamp, so a process that overrides them
+# neither loads nor leaves behind machine code compiled for other values.
 VECTOR_BITS = _target_vector_bits()
-# MR: rows per register tile. float64 at 512 bits: 6 x 2 zmm, 12 accumulators of 32
-# registers (module docstring); at 256 bits 6 rows would need 24 of 16.
-ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if VECTOR_BITS == 512 else 3}
+ROWS = rows_for(VECTOR_BITS)
 
 
 def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):

@@ -33,6 +33,19 @@ def test_package_kernels_use_our_locator():
         assert locator.get_source_stamp()[1] == jitcache.dependency_digest()
 
 
+def test_stamp_moves_with_the_tile_settings(monkeypatch):
+    """VECTOR_BITS and ROWS are read when a tile compiles: a process that overrides them
+    must get other cache entries, not load (or overwrite) the defaults' machine code."""
+    from fusedrnn.cpu import microkernel
+    locator = gemm._project._cache._impl._locator
+    before = locator.get_source_stamp()
+    monkeypatch.setattr(microkernel, "VECTOR_BITS", 768 - microkernel.VECTOR_BITS)
+    after_width = locator.get_source_stamp()
+    monkeypatch.setattr(microkernel, "ROWS", {**microkernel.ROWS, np.dtype(np.float32): 5})
+    after_rows = locator.get_source_stamp()
+    assert len({before, after_width, after_rows}) == 3
+
+
 def test_digest_moves_with_each_dependency(tmp_path):
     copies = []
     for path in jitcache.DEPENDENCIES:
