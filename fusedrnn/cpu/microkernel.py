@@ -23,8 +23,9 @@ an embedded {1to16} operand), float64 6 rows x 2 zmm. Measured on the Zen 4 mach
 (which executes a 512-bit FMA as two 256-bit halves, so the peak is the same), the
 projection alone, M=2880 K=800 C=3200 float32, median of 11: 2 threads 148 GFLOP/s
 with 6 x 2 ymm, 194 with 6 x 1 zmm, 187 with 8 rows, 176 with 12, numpy's sgemm 189 in
-the same run; one thread 85 / 97 / 100 / 95 against numpy's 102. Half the instructions
-per FMA leave the out-of-order window room to hide the panel's L2 latency. Through the
+the same run; one thread 85 / 97 / 100 / 95 against numpy's 102. Why, we have not
+measured; our guess is that half the instructions per FMA leave the out-of-order window
+room to hide the panel's L2 latency. Through the
 op, T=300 N=20 I=H=800 inference, 3 alternating process pairs against 6 x 2 ymm: LSTM
 431/494/443 -> 370/384/401 ms, GRU 345/309/313 -> 291/276/313 ms; float64 rnn_relu and
 GRU within noise (3 x 2 zmm against 3 x 4 ymm). float64's 6 rows: the projection alone
