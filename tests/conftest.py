@@ -73,3 +73,28 @@ def rel_err(actual, expected):
 
 def tolerance(dtype):
     return 1e-10 if np.dtype(dtype) == np.float64 else 1e-5
+
+
+def launch_fused(mode, dtype, steps):
+    """One small fused call that launches (and types) the fused kernels of `mode`: with
+    steps > 1 a training call (forward and backward kernels), with steps == 1 an
+    inference call (the T=1 form)."""
+    rng = np.random.default_rng(0)
+    N, I, H = 2, 4, 16
+    params = rng.standard_normal(fusedrnn.param_size(mode=mode, input_size=I, state_size=H))
+    x = rng.standard_normal((steps, N, I)).astype(dtype)
+    kw = dict(state_size=H, num_layers=1, mode=mode)
+    if steps == 1:
+        fusedrnn.RNN(x, (params * 0.1).astype(dtype), **kw)
+        return
+    out, handle = fusedrnn.RNN(x, (params * 0.1).astype(dtype), **kw, train=True)
+    fusedrnn.rnn_backward(handle, np.ones_like(out))
+
+
+def fresh_compile(dispatcher, signature):
+    """`dispatcher`'s function compiled afresh for `signature` with the package's kernel
+    flags: the disk cache keeps no IR, asm or parfor diagnostics to inspect."""
+    import numba as nb
+    fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
+    fresh.compile(signature)
+    return fresh

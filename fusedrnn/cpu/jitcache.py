@@ -11,7 +11,8 @@ So for kernels defined in this package we put our own cache locators first in Nu
 list. They store the cache where Numba's own would (NUMBA_CACHE_DIR, else __pycache__,
 else the user-wide directory) and add to Numba's freshness stamp a digest of the
 content of every file in DEPENDENCIES: an edit to any of them retires every cached
-kernel of the package. A user who names the locators (NUMBA_CACHE_LOCATOR_CLASSES)
+kernel of the package. The stamp also holds the micro-kernel's vector width and tile
+heights, which are settings, not source. A user who names the locators (NUMBA_CACHE_LOCATOR_CLASSES)
 keeps that choice.
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _tile_settings():
     width and tile heights): a process that overrides them must not load, or leave
     behind, machine code of the others."""
     from . import microkernel
-    return microkernel.VECTOR_BITS, tuple(sorted((str(k), v) for k, v in microkernel.ROWS.items()))
+    rows = tuple(sorted((str(dtype), mr) for dtype, mr in microkernel.ROWS.items()))
+    return microkernel.VECTOR_BITS, rows
 
 
 def _ours(base):

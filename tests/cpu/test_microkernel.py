@@ -18,6 +18,7 @@ import pytest
 
 from fusedrnn.cpu.microkernel import (PANEL, ROWS, pack_columns, pack_rows, panel_gemm_for,
                                       panel_gemm_t)
+from conftest import fresh_compile, launch_fused
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
 A_PAD = 3    # A's row stride is K + A_PAD: lda is honoured, not assumed to be K
@@ -240,14 +241,6 @@ def _tile_loops(asm):
     return ["\n".join(b) for b in blocks if len(_FMA.findall("\n".join(b))) >= 8]
 
 
-def _fresh_asm(dispatcher, signature):
-    """The asm of `dispatcher` compiled afresh for `signature` (the disk cache keeps no
-    asm)."""
-    fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
-    fresh.compile(signature)
-    return fresh.inspect_asm(signature)
-
-
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
 @pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward"])
@@ -256,7 +249,6 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
     from the stack per unrolled pair of k, and 2-7 in the fused loop. Fails if the tile is
     inlined again."""
-    import fusedrnn
     from fusedrnn.cpu import fused, gemm
     rng = np.random.default_rng(3)
     if kernel.startswith("projection"):
@@ -270,14 +262,11 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
         dispatcher = gemm._project
         signature = next(s for s in dispatcher.signatures if s[0].dtype == nb.from_dtype(dtype))
     else:
-        x = rng.standard_normal((3, 20, 8)).astype(np.float32)
-        params = rng.standard_normal(fusedrnn.param_size(mode="rnn_relu", input_size=8,
-                                                         state_size=32)).astype(np.float32)
-        fusedrnn.RNN(x, params, state_size=32, num_layers=1, mode="rnn_relu")
+        launch_fused("rnn_relu", np.float32, 3)
         dispatcher = fused.fused_layer("rnn_relu", np.float32)._forward
         assert dispatcher.signatures, f"{kernel}: the call did not launch it"
         signature = dispatcher.signatures[0]
-    asm = _fresh_asm(dispatcher, signature)
+    asm = fresh_compile(dispatcher, signature).inspect_asm(signature)
     assert re.search(r"^fusedrnn_tile\w+:", asm, re.M), f"{kernel}: the tiles were inlined"
     loops = _tile_loops(asm)
     assert loops, f"{kernel}: no tile k-loop found in the asm"

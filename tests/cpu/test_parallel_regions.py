@@ -8,13 +8,13 @@ signature a few op calls gave it, must have a parallel loop on each of its prang
 """
 import inspect
 
-import numba as nb
 import numpy as np
 import pytest
 
 import fusedrnn
 from fusedrnn.cpu import cells, fused, gemm
 from fusedrnn.layout import param_size
+from conftest import fresh_compile
 
 MODE, DTYPE = "lstm", np.float32
 
@@ -55,8 +55,7 @@ def test_every_prange_is_a_parallel_loop(name):
     prange_lines = {first + i for i, line in enumerate(lines) if "prange(" in line.split("#")[0]}
     assert prange_lines, name
     signature = kernel.signatures[0]   # the loop structure does not depend on the types
-    fresh = nb.njit(parallel=True)(kernel.py_func)
-    fresh.compile(signature)
+    fresh = fresh_compile(kernel, signature)
     diagnostics = fresh.get_metadata(signature)["parfor_diagnostics"]
     parallel_lines = {parfor.loc.line for parfor in diagnostics.initial_parfors}
     assert prange_lines <= parallel_lines, \

@@ -14,32 +14,15 @@ cells and the rest already vectorised).
 """
 import re
 
-import numba as nb
 import numpy as np
 import pytest
 
-import fusedrnn
 from fusedrnn.config import CELLS
 from fusedrnn.cpu import fused
-from fusedrnn.layout import param_size
+from conftest import fresh_compile, launch_fused
 
 CELL_VECTOR_OP = re.compile(r"= (?:fcmp \w+|fmul|fsub|fdiv)(?: \w+)* <(\d+) x (float|double)>")
 MIN_LANES = {"float": 8, "double": 4}
-
-
-def _call_once(mode, dtype, steps):
-    """One fused call: with steps > 1 a training call (forward and backward kernels), with
-    steps == 1 an inference call (the T=1 form)."""
-    rng = np.random.default_rng(0)
-    N, I, H = 2, 4, 16
-    params = rng.standard_normal(param_size(mode=mode, input_size=I, state_size=H)) * 0.1
-    x = rng.standard_normal((steps, N, I)).astype(dtype)
-    kw = dict(state_size=H, num_layers=1, mode=mode)
-    if steps == 1:
-        fusedrnn.RNN(x, params.astype(dtype), **kw)
-        return
-    out, handle = fusedrnn.RNN(x, params.astype(dtype), **kw, train=True)
-    fusedrnn.rnn_backward(handle, np.ones_like(out))
 
 
 # Each fresh compile takes ~15 s here: every mode both ways in float32, float64 once (the
@@ -52,11 +35,10 @@ CASES += [("lstm", np.float64, "_forward"), ("gru", np.float32, "_forward_single
 def test_cell_loop_is_vectorised(mode, dtype, kernel):
     dispatcher = getattr(fused.fused_layer(mode, dtype), kernel)
     if not dispatcher.signatures:
-        _call_once(mode, dtype, 1 if kernel == "_forward_single" else 3)
+        launch_fused(mode, dtype, 1 if kernel == "_forward_single" else 3)
     assert dispatcher.signatures, f"{mode} {kernel}: the op call did not launch it"
     signature = dispatcher.signatures[0]
-    fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
-    fresh.compile(signature)
+    fresh = fresh_compile(dispatcher, signature)
     wide = [m for m in CELL_VECTOR_OP.finditer(fresh.inspect_llvm(signature))
             if int(m.group(1)) >= MIN_LANES[m.group(2)]]
     assert wide, f"{mode} {np.dtype(dtype)} {kernel}: the cell loop is scalar"
