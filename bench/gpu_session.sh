@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh bench-quick  # python -m fusedrnn bench --device gpu --quick
 #   bash bench/gpu_session.sh bench        # the full GPU benchmark (per-step path)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
-# vectors come from $FUSEDRNN_GOLDEN_DIR (carry a copy: ../shared does not travel).
+# vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
 # would spin on its barrier forever, and that must end the phase, not the whole call.
 set -u

@@ -1,4 +1,4 @@
-"""A plain float64 numpy reference of the RNN contract (../shared/spec/rnn.md).
+"""A plain float64 numpy reference of the RNN contract (docs/rnn-spec.md).
 
 Deliberately naive and independent of fusedrnn's code: its own parameter slicing,
 one step at a time, one sample's matrix-vector products, no shared helpers.

@@ -1,4 +1,4 @@
-"""Every case of ../shared/golden (vectors MXNet 1.9.1 produced), outputs and gradients."""
+"""Every case of tests/golden (vectors MXNet 1.9.1 produced), outputs and gradients."""
 import json
 
 import numpy as np
@@ -11,8 +11,7 @@ from conftest import GOLDEN_DIR, rel_err
 def _cases():
     manifest = GOLDEN_DIR / "manifest.json"
     if not manifest.exists():  # fail, not skip: a missing golden set hides every check here
-        raise FileNotFoundError(f"golden vectors not found at {GOLDEN_DIR}; "
-                                "set FUSEDRNN_GOLDEN_DIR")
+        raise FileNotFoundError(f"golden vectors not found at {GOLDEN_DIR}")
     return json.loads(manifest.read_text())["cases"]
 
 
