@@ -1,5 +1,7 @@
-"""The benchmark CLI in its smallest mode: the table's structure, and every number in it
-(and in the JSON) finite and positive. No timing is asserted."""
+"""The benchmark CLI in a small real run over every kind of group (grid cells, a train step,
+per-case rows, first use): the tables' structure and every number in them and in the
+JSON finite and positive, the plots written. No timing is asserted. Then the report's
+arithmetic and the case definitions, without running anything."""
 import json
 import math
 import os
@@ -11,59 +13,139 @@ from pathlib import Path
 import pytest
 
 from fusedrnn.benchmark import cases as case_lib
+from fusedrnn.benchmark import report
+from fusedrnn.benchmark.cases import Case
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+GROUPS = "grid,train-step,design-doc,seq2seq,cold"
+# Two grid cells of each mode and kind, the tagger, two design-doc rows, the decoder step.
+FILTER = r"^\w+ T=20 N=1 I=64 |tagger|first use|^lstm T=1 N=64|^gru T=50 N=20 I=256 H=256 (L=2 bi )?infer"
+
+
+def _selected():
+    return [c for c in case_lib.cases(GROUPS.split(","), quick=True) if re.search(FILTER, c.name)]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     done = subprocess.run(
-        [sys.executable, "-m", "fusedrnn", "bench", "--quick", "--repeats", "1",
-         "--cases", "design-doc,seq2seq,cold", "--json", str(out / "r.json"),
-         "--plot", str(out / "r.png")],
-        capture_output=True, text=True, cwd=out, env=ENV, timeout=600)
+        [sys.executable, "-m", "fusedrnn", "bench", "--quick", "--repeats", "2", "--block-ms",
+         "5", "--cases", GROUPS, "--filter", FILTER, "--json", str(out / "r.json"),
+         "--plot", str(out / "b.png"), "--heatmap", str(out / "g.png")],
+        capture_output=True, text=True, cwd=out, env=ENV, timeout=900)
     assert done.returncode == 0, done.stderr
-    return done.stdout, json.loads((out / "r.json").read_text())
+    return done.stdout, json.loads((out / "r.json").read_text()), out
 
 
-def test_table_structure_and_numbers(quick_run):
-    stdout, _ = quick_run
-    rows = [line for line in stdout.splitlines() if line.startswith("| ")]
-    header = [c.strip() for c in rows[0].strip("|").split("|")]
+def _rows(stdout, title):
+    section = stdout.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+
+
+def _numbers(cells):
+    return [float(x) for cell in cells if cell != "n/a" for x in NUMBER.findall(cell)]
+
+
+def test_selection_covers_every_group():
+    assert {c.group for c in _selected()} == set(GROUPS.split(","))
+    assert {(c.mode, c.train) for c in _selected() if c.group == "grid"} == {
+        (m, t) for m in case_lib.CELLS for t in (False, True)}
+
+
+def test_header_names_the_machine_and_its_ceilings(quick_run):
+    stdout, doc, _ = quick_run
+    assert re.search(r"on .*family \d+ model \d+, LLVM \w+", stdout)
+    assert "loop timing" in stdout and "each peer in its own process" in stdout
+    for dtype in ("float32", "float64", "bfloat16"):
+        line = re.search(rf"GEMM ceiling {dtype} \(same run\): (\d+) GFLOP/s \((\S+);", stdout)
+        assert line and float(line.group(1)) > 0, dtype
+        assert doc["ceilings"][dtype]["best"] == max(
+            v for k, v in doc["ceilings"][dtype].items() if k not in ("best", "by"))
+    assert doc["ceilings"]["float32"]["by"] in doc["ceilings"]["float32"]
+    assert "oneDNN" in doc["ceilings"]["float32"]  # torch is installed with the test extra
+
+
+def test_grid_headline_and_cells(quick_run):
+    stdout, _, _ = quick_run
+    head = _rows(stdout, "Grid: fusedrnn vs torch.nn")
+    assert head[0][:4] == ["mode", "kind", "cells", "geomean x torch"]
+    body = head[1:]
+    assert [(r[0], r[1]) for r in body[:-1]] == [
+        (m, k) for m in case_lib.CELLS for k in ("infer", "train")]
+    assert body[-1][:3] == ["all", "both", str(len(body[:-1]))]
+    for row in body:
+        assert all(math.isfinite(x) and x >= 0 for x in _numbers(row[2:])), row
+    cells = _rows(stdout, "Grid, every cell")
+    assert cells[0] == ["kind", "mode", "T", "N", "H=64"] and len(cells) == 1 + 8
+
+
+def test_train_step_and_cases_tables(quick_run):
+    stdout, _, _ = quick_run
+    steps = _rows(stdout, "Training steps")
+    assert len(steps) == 2 and steps[1][0].startswith("tagger: lstm")
+    assert all(math.isfinite(x) and x > 0 for x in _numbers(steps[1][1:])), steps[1]
+    table = _rows(stdout, "Cases")
+    header, body = table[0], table[1:]
     assert header[:6] == ["case", "unit", "fusedrnn", "torch", "naive", "naive-hoisted"]
-    assert header[-2:] == ["GFLOP/s", "% of GEMM"]
-    expected = [c for c in case_lib.cases(["design-doc", "seq2seq"], quick=True)]
-    body = rows[1:]
-    assert len(body) == len(expected)
+    assert header[-4:] == ["GFLOP/s", "% of ceiling", "torch GFLOP/s", "torch %"]
+    expected = [c for c in _selected() if c.group in ("design-doc", "seq2seq")]
+    assert [r[0] for r in body] == [c.name for c in expected]
     for row, case in zip(body, expected):
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == len(header) and cells[0] == case.name
-        numbers = [float(x) for cell in cells[2:] if cell != "n/a"
-                   for x in NUMBER.findall(cell)]
-        assert numbers and all(math.isfinite(x) and x > 0 for x in numbers), row
-        # only the naive loops may lack a figure (they have no backward)
-        assert ("n/a" in cells) == case.train
-    assert re.search(r"Cold start .* import \+ first call \d+\.\d+ s", stdout)
-    assert "GEMM ceiling (float32, same run):" in stdout
+        assert all(math.isfinite(x) and x > 0 for x in _numbers(row[2:])), row
+        # only the naive loops lack figures: no backward, one layer
+        assert ("n/a" in row) == (case.train or case.L > 1)
+    first_use = _rows(stdout, "First use")
+    assert [r[1] for r in first_use[1:]] == ["fusedrnn", "torch"]
 
 
-def test_json_has_every_case_with_positive_times(quick_run):
-    _, doc = quick_run
-    assert doc["gemm_ceiling_gflops"] > 0 and doc["cpu_count"] >= 1
-    assert len(doc["cases"]) == len(case_lib.cases(["design-doc", "seq2seq", "cold"], quick=True))
+def test_json_and_plots(quick_run):
+    _, doc, out = quick_run
+    assert doc["grid_axes"] == {k: list(v) for k, v in zip("TNH", case_lib.GRID_QUICK)}
+    assert [c["name"] for c in doc["cases"]] == [c.name for c in _selected()]
     for case in doc["cases"]:
         assert "fusedrnn" in case["seconds"]
         for stats in case["seconds"].values():
             values = [stats["median"], stats["min"], stats["max"]]
             assert all(math.isfinite(v) and v > 0 for v in values)
             assert stats["min"] <= stats["median"] <= stats["max"]
+        if case["group"] == "train-step":
+            assert {"fusedrnn neighbour", "torch neighbour"} <= set(case["seconds"])
+    assert (out / "g.png").stat().st_size > 10_000  # the heat map
+    assert not (out / "b.png").exists()  # no batch group, no batch plot
 
 
 def test_unknown_group_is_refused():
     done = subprocess.run([sys.executable, "-m", "fusedrnn", "bench", "--cases", "nope"],
                           capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert done.returncode == 2 and "unknown case groups" in done.stderr
+
+
+def _times(torch_s, fused_s=1.0):
+    return {"fusedrnn": {"median": fused_s}, "torch": {"median": torch_s}}
+
+
+def test_grid_headline_arithmetic():
+    results = [(Case("grid", "gru", 20, n, 64, 64), _times(r))
+               for n, r in ((1, 0.5), (8, 2.0), (32, 4.0))]
+    lines = report.grid_headline(results).splitlines()
+    gru = [c.strip() for c in lines[2].strip("|").split("|")]
+    # geomean(0.5, 2, 4) = 4 ** (1/3); worst 0.5 at N=1; one cell below 0.8x
+    assert gru == ["gru", "infer", "3", f"{4 ** (1 / 3):.2f}", "0.50 (T=20 N=1 H=64)", "4.00",
+                   "1"]
+    assert lines[-1].startswith("| all | both | 3 |")
+
+
+def test_cpu_grid_is_a_subset_of_the_full_grid():
+    for axis, full, cpu in zip("TNH", case_lib.GRID_FULL, case_lib.GRID_CPU):
+        assert set(cpu) <= set(full), axis
+    assert set(case_lib.GRID_FULL[1]) < set(case_lib.GRID_GPU[1])  # N=1024 on the GPU
+    assert 2048 in case_lib.GRID_GPU[2]
+    grid = case_lib.cases(["grid"], device="cpu")
+    assert len(grid) == 4 * 2 * math.prod(len(a) for a in case_lib.GRID_CPU)
+    assert len(case_lib.cases(["grid"], device="gpu")) == 4 * 2 * math.prod(
+        len(a) for a in case_lib.GRID_GPU)

@@ -1,68 +1,102 @@
-"""`python -m fusedrnn bench`: fusedrnn against what a user would pick instead, side by
-side in one process, as ratios. See cases.py for what runs and runner.py for how."""
+"""`python -m fusedrnn bench`: fusedrnn against what a user would pick instead, as ratios,
+timed as users run it (blocks of back-to-back calls, each peer in its own process; see
+runner.py), with the machine's GEMM ceiling measured in the same run. cases.py says what
+runs, report.py what is printed."""
 from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
-
-import numpy as np
 
 from . import cases as case_lib
 from . import report, runner
+from .peers import OP_PEERS
 
 
 def add_arguments(parser):
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and 3 repeats: under a minute on 2 cores")
-    parser.add_argument("--cases", default=",".join(case_lib.GROUPS),
-                        help=f"comma-separated groups of {', '.join(case_lib.GROUPS)}")
-    parser.add_argument("--peers", default=",".join(runner.PEERS),
-                        help=f"comma-separated, of {', '.join(runner.PEERS)}")
+                        help=f"groups {','.join(case_lib.QUICK_GROUPS)} at small sizes, "
+                             "3 repeats: under 3 minutes on 2 cores")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated groups of {', '.join(case_lib.GROUPS)} "
+                             f"(default: all; --quick: {','.join(case_lib.QUICK_GROUPS)})")
+    parser.add_argument("--filter", default=None,
+                        help="run only the cases whose name matches this regular expression")
+    parser.add_argument("--peers", default=",".join(OP_PEERS),
+                        help=f"comma-separated, of {', '.join(OP_PEERS)}")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per peer and case (default 5, --quick 3)")
+                        help="timed blocks per peer and case (default 5, --quick 3)")
+    parser.add_argument("--block-ms", type=float, default=1e3 * runner.BLOCK_S,
+                        help="a timed block of back-to-back calls lasts at least this long")
     parser.add_argument("--json", default=None, help="default: fusedrnn-bench-DEVICE.json")
     parser.add_argument("--plot", default=None, help="default: fusedrnn-bench-DEVICE-batch.png")
+    parser.add_argument("--heatmap", default=None,
+                        help="default: fusedrnn-bench-DEVICE-grid.png")
 
 
 def run(args):
-    groups = [g.strip() for g in args.cases.split(",") if g.strip()]
+    groups = [g.strip() for g in (args.cases or ",".join(
+        case_lib.QUICK_GROUPS if args.quick else case_lib.GROUPS)).split(",") if g.strip()]
     wanted = [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = sorted(set(groups) - set(case_lib.GROUPS)) + sorted(set(wanted) - set(runner.PEERS))
+    unknown = sorted(set(groups) - set(case_lib.GROUPS)) + sorted(set(wanted) - set(OP_PEERS))
     if unknown or "fusedrnn" not in wanted:
         print(f"bench: unknown case groups or peers {unknown}, or fusedrnn missing from "
-              f"--peers; groups: {case_lib.GROUPS}, peers: {runner.PEERS}", file=sys.stderr)
+              f"--peers; groups: {case_lib.GROUPS}, peers: {OP_PEERS}", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 5)
-    device = runner.Device(args.device)
-    dtype = np.dtype(args.dtype)
-    peers, notes = runner.available_peers(device, wanted)
-    meta = _machine(device, repeats, args)
+    missing = runner.torch_available(args.device)
+    peers = [p for p in wanted if not (p == "torch" and missing)]
+    todo = case_lib.cases(groups, quick=args.quick, device=args.device)
+    if args.filter:
+        todo = [c for c in todo if re.search(args.filter, c.name)]
+    meta = _machine(args, repeats)
     print(meta["description"])
-    for note in notes:
-        print(note)
-    ceiling = runner.gemm_ceiling(device, dtype)
-    print(f"GEMM ceiling ({args.dtype}, same run): {ceiling:.1f} GFLOP/s")
-    todo = case_lib.cases(groups, quick=args.quick)
+    if missing:
+        print(missing)
+    pool = runner.Pool(args.device)
     results = []
-    for i, case in enumerate(todo, 1):
-        _progress(i, len(todo), case)
-        if case.group == "cold":
-            times = runner.cold_start(case, device, dtype, repeats)
-        else:
-            times = runner.run_case(case, device, np.dtype(case.dtype or dtype), peers, repeats)
-        results.append((case, {k: runner.summary(v) for k, v in times.items()}))
+    try:
+        meta["ceilings"] = runner.ceilings(pool, "torch" if "torch" in peers else "fusedrnn")
+        for line in report.ceiling_lines(meta["ceilings"]):
+            print(line)
+        for i, case in enumerate(todo, 1):
+            _progress(i, len(todo), case)
+            if case.group == "cold":
+                times = runner.cold_start(case, args.device, case.dtype or args.dtype,
+                                          repeats, [p for p in peers if p in ("fusedrnn",
+                                                                              "torch")])
+            else:
+                case_peers = [p for p in peers if not case.model or p in ("fusedrnn", "torch")]
+                times = runner.run_case(pool, case, case.dtype or args.dtype, case_peers,
+                                        repeats, block_s=args.block_ms / 1e3)
+            results.append((case, {k: runner.summary(v) for k, v in times.items()}))
+    finally:
+        pool.close()
     print(file=sys.stderr)
-    print(report.table(results, ceiling, peers))
+    sections = [
+        ("Grid: fusedrnn vs torch.nn, per mode (ratio = torch time / fusedrnn time)",
+         report.grid_headline(results)),
+        ("Training steps through the torch modules (each peer in its own process)",
+         report.train_step_table(results)),
+        ("Cases", report.table(results, meta["ceilings"], args.dtype, peers)),
+        ("First use", report.cold_table(results)),
+        ("Grid, every cell (x vs torch)", report.grid_cells(results)),
+    ]
+    for title, body in sections:
+        if body:
+            print(f"\n## {title}\n\n{body}")
     json_path = args.json or f"fusedrnn-bench-{args.device}.json"
-    report.write_json(json_path, meta, results, ceiling)
-    plot_path = args.plot or f"fusedrnn-bench-{args.device}-batch.png"
-    title = f"fusedrnn bench, {args.device}, {args.dtype}, median of {repeats}"
-    note = report.plot_batch(plot_path, results, title)
-    print(f"\nJSON: {json_path}" + (f"\n{note}" if note else
-                                     f"\nplot: {plot_path}" if "batch" in groups else ""))
+    report.write_json(json_path, meta, results)
+    title = f"fusedrnn bench, {args.device}, {args.dtype}, {meta['cpu']['name']}"
+    notes = [f"JSON: {json_path}",
+             report.plot_batch(args.plot or f"fusedrnn-bench-{args.device}-batch.png",
+                               results, title, peers),
+             report.plot_grid(args.heatmap or f"fusedrnn-bench-{args.device}-grid.png",
+                              results, title)]
+    print("\n" + "\n".join(n for n in notes if n))
     return 0
 
 
@@ -73,29 +107,57 @@ def _progress(i, n, case):
           file=sys.stderr, flush=True)
 
 
-def _machine(device, repeats, args):
-    import numba
+_CPUINFO = {"vendor_id": "vendor", "cpu family": "family", "model": "model",
+            "model name": "model_name"}
 
-    from .. import cpu  # noqa: F401  (fixes Numba's threading layer before we query it)
+
+def cpu_info():
+    """The CPU by name: vendor, family/model, the kernel's model name and LLVM's host name
+    (znver4, znver5, ...), which is what the kernels are compiled for."""
+    info = {"vendor": "", "family": "", "model": "", "model_name": platform.processor()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                name = _CPUINFO.get(key)
+                if name and (not info[name] or name == "model_name"):
+                    info[name] = value.strip()
+                if key == "flags":  # the first processor's entry is enough
+                    break
+    except OSError:
+        pass
+    try:
+        from llvmlite import binding
+        info["llvm_host"] = binding.get_host_cpu_name()
+    except Exception:  # noqa: BLE001  (a name only)
+        info["llvm_host"] = "unknown"
+    info["name"] = (f"{info['model_name'] or platform.machine()} ({info['vendor']} family "
+                    f"{info['family']} model {info['model']}, LLVM {info['llvm_host']})")
+    return info
+
+
+def _machine(args, repeats):
+    import numba
+    import numpy as np
     info = {"python": platform.python_version(), "numpy": np.__version__,
-            "numba": numba.__version__, "cpu_count": os.cpu_count(),
-            "numba_threads": numba.get_num_threads(), "machine": platform.processor() or
-            platform.machine(), "device": args.device, "dtype": args.dtype,
-            "repeats": repeats, "quick": args.quick}
+            "numba": numba.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_info(),
+            "device": args.device, "dtype": args.dtype, "repeats": repeats,
+            "quick": args.quick, "block_ms": args.block_ms, "warm_s": runner.WARM_S,
+            "grid_axes": dict(zip("TNH", case_lib.grid_axes(args.quick, args.device)))}
     try:
         import torch
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+        if args.device == "gpu":
+            info["gpu"] = torch.cuda.get_device_name()
     except ImportError:
         pass
-    if device.name == "gpu":
-        props = device.xp.cuda.runtime.getDeviceProperties(device.xp.cuda.Device().id)
-        info["gpu"] = props["name"].decode()
-    threads = f"numba threads {info['numba_threads']}" + (
-        f", torch threads {info['torch_threads']}" if "torch_threads" in info else "")
+    where = info.get("gpu", info["cpu"]["name"])
     info["description"] = (
-        f"fusedrnn bench: {args.device} ({info.get('gpu', info['machine'])}, "
-        f"{info['cpu_count']} cores, {threads}), {args.dtype}, median of {repeats} "
-        f"interleaved runs after a warm-up (min-max); python {info['python']}, numpy "
-        f"{info['numpy']}, numba {info['numba']}" +
-        (f", torch {info['torch']}" if "torch" in info else ""))
+        f"fusedrnn bench: {args.device} on {where}, {info['cpu_count']} cores; {args.dtype}; "
+        f"loop timing: blocks of back-to-back calls lasting >= {args.block_ms:g} ms, each "
+        f"peer in its own process, turns interleaved, median of {repeats} blocks (min-max); "
+        f"python {info['python']}, numpy {info['numpy']}, numba {info['numba']}" +
+        (f", torch {info['torch']} ({info['torch_threads']} threads)" if "torch" in info
+         else ""))
     return info

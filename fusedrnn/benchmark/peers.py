@@ -1,11 +1,18 @@
 """Who fusedrnn is measured against. Each peer turns a Case into a zero-argument callable
 that runs one call (inference, or forward + backward), or returns None where it has no
-such mode (the naive loops have no backward)."""
+such mode (the naive loops have no backward). A train-step case's callable is a whole
+training step through the torch modules; its peer also carries a `neighbour`: torch ops
+of the program's own, timed apart."""
 from __future__ import annotations
 
 import numpy as np
 
 import fusedrnn
+
+# Peers of the op: fusedrnn's call, torch.nn's module, the textbook loops.
+OP_PEERS = ("fusedrnn", "torch", "naive", "naive-hoisted")
+# The train-step group has two: fusedrnn.torch's module and torch.nn's, in the same model.
+STEP_PEERS = ("fusedrnn", "torch")
 
 
 class Inputs:
@@ -28,6 +35,18 @@ class Inputs:
             setattr(self, name, xp.asarray(value))
 
 
+def make(name, case, xp, dtype, torch_device):
+    """The callable of peer `name` for `case`, or None where the peer has no such mode."""
+    if case.model:
+        return train_step(name, case, torch_device)
+    inputs = Inputs(case, xp, dtype)
+    if name == "fusedrnn":
+        return fusedrnn_peer(inputs)
+    if name == "torch":
+        return torch_peer(inputs, torch_device)
+    return naive_peer(inputs, hoisted=name == "naive-hoisted")
+
+
 def fusedrnn_peer(inputs):
     c = inputs.case
     kw = dict(state_size=c.H, num_layers=c.L, mode=c.mode, bidirectional=c.bidirectional)
@@ -40,13 +59,22 @@ def fusedrnn_peer(inputs):
     return step
 
 
+def torch_module(mode, *args, fused=False, **kwargs):
+    """torch.nn's RNN/LSTM/GRU for `mode`, or fusedrnn.torch's drop-in with `fused`."""
+    if fused:
+        import fusedrnn.torch as nn
+    else:
+        from torch import nn
+    if mode in ("lstm", "gru"):
+        return getattr(nn, mode.upper())(*args, **kwargs)
+    return nn.RNN(*args, nonlinearity=mode.split("_")[1], **kwargs)
+
+
 def torch_peer(inputs, device):
     import torch
     c = inputs.case
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(c.mode, torch.nn.RNN)
-    extra = {} if c.mode in ("lstm", "gru") else {"nonlinearity": c.mode[4:]}
     dtype = torch.float64 if inputs.host["data"].dtype == np.float64 else torch.float32
-    module = cls(c.I, c.H, num_layers=c.L, bidirectional=c.bidirectional, **extra)
+    module = torch_module(c.mode, c.I, c.H, num_layers=c.L, bidirectional=c.bidirectional)
     module = module.to(device=device, dtype=dtype)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in
                             inputs.layout.to_torch_state_dict(inputs.host["params"]).items()})
@@ -67,10 +95,64 @@ def torch_peer(inputs, device):
     return train
 
 
+# The head's classes (a tagger's tag set, say) and the neighbour's output width.
+HEAD_CLASSES = 32
+NEIGHBOUR_WIDTH = 512
+
+
+class TrainStep:
+    """One model's training step, a callable, with `neighbour`: a torch Linear + loss,
+    forward and backward, on features of the RNN output's shape, that the loop runs after
+    each step and times apart (the runner asks for it)."""
+
+    def __init__(self, peer, case, device):
+        import torch
+        gen = torch.Generator().manual_seed(0)
+        width = case.D * case.H
+        shape = (case.mode, case.I, case.H)
+        kw = dict(num_layers=case.L, bidirectional=case.bidirectional)
+        torch.manual_seed(0)  # both peers start from torch.nn's initial weights
+        self.rnn = torch_module(*shape, **kw)
+        self.head = torch.nn.Linear(width, HEAD_CLASSES)
+        if peer == "fusedrnn":
+            fused = torch_module(*shape, **kw, fused=True)
+            fused.load_state_dict(self.rnn.state_dict())
+            self.rnn = fused
+        self.rnn.to(device)
+        self.head.to(device)
+        params = list(self.rnn.parameters()) + list(self.head.parameters())
+        self.opt = torch.optim.Adam(params, lr=1e-3)
+        self.x = torch.randn(case.T, case.N, case.I, generator=gen).to(device)
+        self.y = torch.randint(0, HEAD_CLASSES, (case.T * case.N,), generator=gen).to(device)
+        self.features = torch.randn(case.T * case.N, width, generator=gen).to(device)
+        self.other = torch.nn.Linear(width, NEIGHBOUR_WIDTH).to(device)
+        self.other_y = torch.randint(0, NEIGHBOUR_WIDTH, (case.T * case.N,),
+                                     generator=gen).to(device)
+        self.loss = torch.nn.functional.cross_entropy
+
+    def __call__(self):
+        self.opt.zero_grad(set_to_none=True)
+        out = self.rnn(self.x)[0]
+        loss = self.loss(self.head(out.reshape(-1, out.shape[-1])), self.y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def neighbour(self):
+        self.other.zero_grad(set_to_none=True)
+        self.loss(self.other(self.features), self.other_y).backward()
+
+
+def train_step(peer, case, device):
+    return TrainStep(peer, case, device) if peer in STEP_PEERS else None
+
+
 def naive_peer(inputs, hoisted):
     """The textbook loop: per step x[t] @ W_x.T + h @ W_h.T and the cell in array ops;
-    `hoisted` computes every step's x @ W_x.T in one GEMM first."""
-    if inputs.case.train:
+    `hoisted` computes every step's x @ W_x.T in one GEMM first. Inference of one layer
+    only: it has no backward, and its multi-layer figures cost minutes and say nothing
+    the single-layer ones do not."""
+    if inputs.case.train or inputs.case.L > 1:
         return None
     return lambda: naive_forward(inputs, hoisted)
 

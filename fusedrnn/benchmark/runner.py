@@ -1,19 +1,37 @@
-"""How the benchmark measures: interleaved repeats after a warm-up, medians with min-max,
-a GEMM ceiling measured in the same run, and cold starts in fresh processes."""
+"""How the benchmark measures: loop timing, each peer in its own process.
+
+A user's loop (training, a decoder, a server) calls the op back to back, so every figure
+is the time of a block of back-to-back calls divided by its calls: a block lasts at least
+`block_s` (50 ms by default), blocks of the peers take turns (A, B, A, B, ...), and a
+case reports the median block with min-max. Nobody pauses before a call.
+
+Each peer runs in a worker process of its own (`python -m fusedrnn.benchmark.worker`),
+because on 2 cores a peer's idle threads tax whoever runs next: OpenBLAS's threads spin
+for about 0.1 s after a call and OpenMP pools spin too. Measured on the 2-core machine,
+in one process: fusedrnn's rnn_relu loop (T=300 N=20 H=800) took 210 ms right after an
+OpenBLAS GEMM and 143 ms 0.3 s later. Across processes the spinning of the peer that ran
+the last block still overlaps the next one's first calls, so each turn starts with
+untimed warm-in calls (WARM_S of them, at most a block) before its timed block: the turn
+measures the steady loop, not the hand-over.
+
+Train-step cases also time, after each step, the torch Linear + loss of peers.TrainStep:
+the same torch ops in the process that trains fusedrnn.torch and in the one that trains
+torch.nn, so their ratio is what fusedrnn's threads cost a program's other ops.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 
-import numpy as np
-
-from . import peers as peer_lib
-
-PEERS = ("fusedrnn", "torch", "naive", "naive-hoisted")
+BLOCK_S = 0.05   # a timed block lasts at least this long
+WARM_S = 0.1     # untimed calls at the start of each turn (OpenBLAS spins ~0.1 s)
 
 
 class Device:
@@ -27,7 +45,8 @@ class Device:
             self.xp = cupy
             self.torch_device = "cuda"
         else:
-            self.xp = np
+            import numpy
+            self.xp = numpy
             self.torch_device = "cpu"
 
     def time(self, fn):
@@ -42,116 +61,186 @@ class Device:
         end.synchronize()
         return self.xp.cuda.get_elapsed_time(start, end) / 1e3
 
-
-def gemm_ceiling(device, dtype, repeats=5):
-    """The best GFLOP/s of a large square GEMM through the same BLAS the op uses."""
-    n = 2048 if device.name == "cpu" else 8192
-    rng = np.random.default_rng(1)
-    a = device.xp.asarray(rng.standard_normal((n, n)).astype(dtype))
-    b = device.xp.asarray(rng.standard_normal((n, n)).astype(dtype))
-    out = device.xp.empty((n, n), dtype)
-    device.xp.matmul(a, b, out=out)
-    best = min(device.time(lambda: device.xp.matmul(a, b, out=out)) for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
+    def sync(self):
+        if self.name == "gpu":
+            self.xp.cuda.get_current_stream().synchronize()
 
 
-def available_peers(device, wanted):
-    """(peers that run, lines for those skipped)."""
-    runnable, notes = [], []
-    for name in wanted:
-        if name == "torch":
+def torch_available(device):
+    """None where torch can run on `device`, else the reason it cannot."""
+    try:
+        import torch
+    except ImportError:
+        return "torch: not installed, skipped (pip install fusedrnn[torch])"
+    if device == "gpu" and not torch.cuda.is_available():
+        return "torch: installed without CUDA, skipped on the GPU"
+    return None
+
+
+class Worker:
+    """One peer's process: it builds a case's callable, calibrates the block, and runs
+    blocks on request (worker.py holds the other side of this line protocol)."""
+
+    def __init__(self, peer, device, kind):
+        self.peer, self.kind = peer, kind
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fusedrnn.benchmark.worker", peer, device, kind],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            env=_child_env())
+
+    def ask(self, **message):
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench worker {self.peer} ({self.kind}) exited with "
+                               f"{self.proc.wait()}; its stderr is above")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"bench worker {self.peer}: {reply['error']}")
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
             try:
-                import torch
-                if device.name == "gpu" and not torch.cuda.is_available():
-                    notes.append("torch: installed without CUDA, skipped on the GPU")
-                    continue
-            except ImportError:
-                notes.append("torch: not installed, skipped (pip install fusedrnn[torch])")
-                continue
-        runnable.append(name)
-    return runnable, notes
+                self.ask(action="quit")
+            except (RuntimeError, OSError, ValueError):
+                pass
+        self.proc.wait(timeout=30)
 
 
-def _make(name, inputs, device):
-    if name == "fusedrnn":
-        return peer_lib.fusedrnn_peer(inputs)
-    if name == "torch":
-        return peer_lib.torch_peer(inputs, device.torch_device)
-    return peer_lib.naive_peer(inputs, hoisted=name == "naive-hoisted")
+class Pool:
+    """Worker processes by (peer, kind), started on first use: op cases and train steps
+    get separate processes, so torch's thread pool, started by a train step, never idles
+    beside a numpy user's op calls."""
+
+    def __init__(self, device):
+        self.device = device
+        self.workers = {}
+
+    def get(self, peer, kind):
+        key = (peer, kind)
+        if key not in self.workers:
+            self.workers[key] = Worker(peer, self.device, kind)
+        return self.workers[key]
+
+    def close(self):
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
 
 
-def run_case(case, device, dtype, peer_names, repeats):
-    """{peer: [seconds per call, ...]} for one case; a peer without this mode is absent."""
-    inputs = peer_lib.Inputs(case, device.xp, dtype)
-    calls = {name: _make(name, inputs, device) for name in peer_names}
-    calls = {name: fn for name, fn in calls.items() if fn is not None}
-    for fn in calls.values():  # warm-up: compilation, allocation, caches
-        device.time(fn)
-    times = {name: [] for name in calls}
-    for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
-        for name, fn in calls.items():
-            _settle(device)
-            times[name].append(device.time(_burst(fn, case.burst)) / case.burst)
+def run_case(pool, case, dtype, peer_names, repeats, block_s=BLOCK_S):
+    """{peer: [seconds per call, ...]} for one case (train steps add "PEER neighbour"
+    entries); a peer without this mode is absent."""
+    kind = "step" if case.model else "op"
+    prepared = {}
+    for name in peer_names:
+        worker = pool.get(name, kind)
+        reply = worker.ask(action="prepare", case=asdict(case), dtype=dtype, block_s=block_s,
+                           warm_s=WARM_S)
+        if not reply.get("skip"):
+            prepared[name] = worker
+    times = {}
+    for _ in range(repeats):  # turns alternate, so drift on a shared machine hits all alike
+        for name, worker in prepared.items():
+            reply = worker.ask(action="block")
+            times.setdefault(name, []).append(reply["seconds"])
+            if "neighbour" in reply:
+                times.setdefault(f"{name} neighbour", []).append(reply["neighbour"])
+    for worker in prepared.values():
+        worker.ask(action="release")
     return times
 
 
-def _burst(fn, calls):
-    if calls == 1:
-        return fn
-
-    def run():
-        for _ in range(calls):
-            fn()
-    return run
+def ceilings(pool, peer):
+    """The machine's GEMM ceilings, measured in `peer`'s worker (worker.gemm_ceilings)."""
+    return pool.get(peer, "op").ask(action="ceiling")["ceilings"]
 
 
-# On the CPU every timed call starts after a pause: OpenBLAS's threads spin for about
-# 0.1 s after each call (THREAD_TIMEOUT, 2^28 cycles) and OpenMP pools spin too, so a
-# peer timed right after another shares the 2 cores with those spinning threads and the
-# interleaving order, not the code, decides who pays. Measured on the 2-core machine:
-# fusedrnn's rnn_relu loop (T=300 N=20 H=800) took 210 ms right after an OpenBLAS GEMM
-# and 143 ms when started 0.3 s later.
-SETTLE_S = 0.3
-
-
-def _settle(device):
-    if device.name == "cpu":
-        time.sleep(SETTLE_S)
+def _child_env():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
 
 
 COLD_SCRIPT = """
-import time, json, sys
+import json, time
 t0 = time.perf_counter()
 import numpy as np
-import fusedrnn
+{imports}
 t1 = time.perf_counter()
-{arrays}
-n = fusedrnn.param_size(mode='{mode}', input_size={I}, state_size={H})
-x = xp.asarray(np.random.default_rng(0).standard_normal(({T}, {N}, {I})).astype('{dtype}'))
-p = xp.asarray(np.random.default_rng(1).uniform(-0.05, 0.05, n).astype('{dtype}'))
+rng = np.random.default_rng(0)
+x = rng.standard_normal(({T}, {N}, {I})).astype('{dtype}')
+{setup}
 t2 = time.perf_counter()
-out = fusedrnn.RNN(x, p, state_size={H}, num_layers=1, mode='{mode}')
+{infer}
 {sync}
 t3 = time.perf_counter()
-print(json.dumps(dict(import_s=t1 - t0, first_call_s=t3 - t2)))
+{train}
+{sync}
+t4 = time.perf_counter()
+print(json.dumps(dict(import_s=t1 - t0, infer_s=t3 - t2, train_s=t4 - t3)))
 """
 
+_COLD = {
+    "fusedrnn": dict(
+        imports="import fusedrnn\n{arrays}",
+        setup="n = fusedrnn.param_size(mode='{mode}', input_size={I}, state_size={H})\n"
+              "p = xp.asarray(rng.uniform(-0.05, 0.05, n).astype('{dtype}'))\n"
+              "x = xp.asarray(x)\n"
+              "kw = dict(state_size={H}, num_layers=1, mode='{mode}')",
+        infer="fusedrnn.RNN(x, p, **kw)",
+        train="out, handle = fusedrnn.RNN(x, p, **kw, train=True)\n"
+              "fusedrnn.rnn_backward(handle, xp.ones_like(out))",
+        sync="{cupy_sync}"),
+    "torch": dict(
+        imports="import torch\nfrom fusedrnn.benchmark.peers import torch_module",
+        setup="m = torch_module('{mode}', {I}, {H}).to('{torch_device}', torch.{dtype})\n"
+              "x = torch.from_numpy(x).to('{torch_device}')",
+        infer="with torch.no_grad(): m(x)",
+        train="m(x)[0].sum().backward()",
+        sync="{torch_sync}"),
+}
 
-def cold_start(case, device, dtype, repeats):
-    """Seconds of import and of the first call, each in a fresh process (the Numba cache
-    is warm after the first process ever; the warm-up process below makes sure of it)."""
-    arrays, sync = ("import cupy as xp", "xp.cuda.runtime.deviceSynchronize()") if (
-        device.name == "gpu") else ("xp = np", "")
-    script = COLD_SCRIPT.format(arrays=arrays, sync=sync, mode=case.mode, I=case.I, H=case.H,
-                                T=case.T, N=case.N, dtype=np.dtype(dtype).name)
-    results = []
-    for i in range(repeats + 1):
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              check=True, env=dict(os.environ))
-        if i:  # the first process may fill the on-disk kernel cache
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {"fusedrnn": [r["import_s"] + r["first_call_s"] for r in results],
-            "import": [r["import_s"] for r in results]}
+
+def cold_start(case, device, dtype, repeats, peers):
+    """{peer: [import + first inference + first training step, s], "PEER import": [...],
+    "PEER infer": [...], "PEER train": [...]}, each run in a fresh process. An "empty"
+    case gives each process a new, empty kernel cache (NUMBA_CACHE_DIR); a "warm" one
+    fills the cache in an untimed process first."""
+    gpu = device == "gpu"
+    fill = dict(arrays="import cupy as xp" if gpu else "xp = np",
+                cupy_sync="xp.cuda.runtime.deviceSynchronize()" if gpu else "",
+                torch_sync="torch.cuda.synchronize()" if gpu else "",
+                mode=case.mode, I=case.I, H=case.H, T=case.T, N=case.N, dtype=dtype,
+                torch_device="cuda" if gpu else "cpu")
+    results = {}
+    for peer in peers:
+        parts = {k: v.format(**fill) for k, v in _COLD[peer].items()}
+        script = COLD_SCRIPT.format(**dict(fill, **parts))
+        runs = []
+        for i in range(repeats + (case.cache == "warm")):
+            env = _child_env()
+            scratch = None
+            if case.cache == "empty" and peer == "fusedrnn":
+                scratch = tempfile.mkdtemp(prefix="fusedrnn-cold-")
+                env["NUMBA_CACHE_DIR"] = scratch
+            try:
+                done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                      text=True, env=env)
+            finally:
+                if scratch:
+                    shutil.rmtree(scratch, ignore_errors=True)
+            if done.returncode:
+                raise RuntimeError(f"cold start of {peer} failed:\n{done.stderr}")
+            if case.cache == "warm" and i == 0:
+                continue  # this process may have filled the kernel cache
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        results[peer] = [r["import_s"] + r["infer_s"] + r["train_s"] for r in runs]
+        for part in ("import", "infer", "train"):
+            results[f"{peer} {part}"] = [r[f"{part}_s"] for r in runs]
+    return results
 
 
 def summary(times):

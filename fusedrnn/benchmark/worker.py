@@ -1,0 +1,157 @@
+"""One peer's benchmark process: `python -m fusedrnn.benchmark.worker PEER DEVICE KIND`.
+
+It reads one JSON request a line on stdin and answers one JSON line on stdout (anything
+else the process prints goes to stderr):
+  {"action": "prepare", "case": {...}, "dtype": "float32", "block_s": .05, "warm_s": .1}
+      builds the case's callable and warms it up (compilation, allocation), then sizes a
+      block: {"calls": n} with n calls lasting at least block_s, or {"skip": true} where
+      the peer has no such mode
+  {"action": "block"}     warm-in calls, then n timed back-to-back calls:
+                          {"seconds": per call} (+ "neighbour": per call, train steps)
+  {"action": "release"}   drops the callable and its arrays
+  {"action": "ceiling"}   {"ceilings": gemm_ceilings()}
+  {"action": "quit"}
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+from .cases import Case
+from .peers import make
+from .runner import Device
+
+LONG_CALL_S = 1.0
+
+
+class Session:
+    def __init__(self, peer, device, kind):
+        self.peer, self.kind = peer, kind
+        self.device = Device(device)
+        self.fn = None
+
+    def prepare(self, case, dtype, block_s, warm_s):
+        case = Case(**case)
+        self.fn = make(self.peer, case, self.device.xp, dtype, self.device.torch_device)
+        if self.fn is None:
+            return {"skip": True}
+        self.device.time(self.fn)  # compilation, allocation, caches
+        calls, elapsed = 0, 0.0
+        while elapsed < block_s / 2:  # calibrate on half a block (one call at least)
+            elapsed += self.device.time(self.fn)
+            calls += 1
+        per_call = elapsed / calls
+        self.calls = max(1, math.ceil(block_s / per_call))
+        # Warm-in covers the last peer's spinning threads; past LONG_CALL_S the hand-over
+        # is a tenth of one call at most, and a warm call would double a slow case's time.
+        self.warm = 0 if per_call >= LONG_CALL_S else min(self.calls,
+                                                          math.ceil(warm_s / per_call))
+        return {"calls": self.calls}
+
+    def block(self):
+        fn = self.fn
+        for _ in range(self.warm):
+            fn()
+        neighbour = getattr(fn, "neighbour", None)
+        if neighbour is None:
+            def run():
+                for _ in range(self.calls):
+                    fn()
+            return {"seconds": self.device.time(run) / self.calls}
+        # A train step, then the program's own torch ops, each timed by itself.
+        step_s = other_s = 0.0
+        clock, sync = time.perf_counter, self.device.sync
+        for _ in range(self.calls):
+            t0 = clock()
+            fn()
+            sync()
+            t1 = clock()
+            neighbour()
+            sync()
+            step_s += t1 - t0
+            other_s += clock() - t1
+        return {"seconds": step_s / self.calls, "neighbour": other_s / self.calls}
+
+    def release(self):
+        self.fn = None
+        return {}
+
+    def handle(self, msg):
+        action = msg.pop("action")
+        if action == "prepare":
+            return self.prepare(**msg)
+        if action == "block":
+            return self.block()
+        if action == "release":
+            return self.release()
+        if action == "ceiling":
+            return {"ceilings": gemm_ceilings(self.device)}
+        raise ValueError(f"unknown action {action!r}")
+
+
+def gemm_ceilings(device, repeats=5):
+    """{dtype: {"best": GFLOP/s, "by": library, library: GFLOP/s, ...}}: the fastest GEMM
+    this process can reach per dtype. On the CPU the float32 and bfloat16 ceilings are
+    oneDNN's (torch's mkldnn Linear), which is about twice MKL's torch.mm and numpy's
+    OpenBLAS on AMD (they are listed beside it); float64 has no oneDNN path, so numpy's
+    and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy."""
+    import numpy as np
+    n = 2048 if device.name == "cpu" else 8192
+    rng = np.random.default_rng(1)
+    flops = 2 * n ** 3
+    found = {}
+
+    def best(name, dtype, fn):
+        fn()
+        seconds = min(device.time(fn) for _ in range(repeats))
+        found.setdefault(dtype, {})[name] = flops / seconds / 1e9
+
+    for dtype in ("float32", "float64"):
+        a = device.xp.asarray(rng.standard_normal((n, n)).astype(dtype))
+        best("numpy" if device.name == "cpu" else "cupy", dtype, lambda: a @ a)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        dev = device.torch_device
+        for dtype in ("float32", "float64", "bfloat16"):
+            a = torch.randn(n, n, dtype=getattr(torch, dtype), device=dev)
+            with torch.no_grad():
+                best("torch.mm", dtype, lambda: torch.mm(a, a))
+                if device.name == "cpu" and dtype != "float64":
+                    import torch.utils.mkldnn
+                    linear = torch.nn.Linear(n, n, bias=False).to(getattr(torch, dtype))
+                    linear = torch.utils.mkldnn.to_mkldnn(linear.eval(), getattr(torch, dtype))
+                    x = a.to_mkldnn()
+                    best("oneDNN", dtype, lambda: linear(x))
+    for by_lib in found.values():
+        name = max(by_lib, key=by_lib.get)
+        by_lib["best"], by_lib["by"] = by_lib[name], name
+    return found
+
+
+def main(argv):
+    peer, device, kind = argv
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints must not reach the protocol
+    session = Session(peer, device, kind)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("action") == "quit":
+            protocol.write("{}\n")
+            break
+        try:
+            reply = session.handle(msg)
+        except Exception:  # noqa: BLE001  (the coordinator reports it)
+            reply = {"error": traceback.format_exc()}
+        protocol.write(json.dumps(reply) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
