@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import sys
+import time
 
 from . import cases as case_lib
 from . import report, runner
@@ -62,8 +63,10 @@ def run(args):
         meta["ceilings"] = runner.ceilings(pool, "torch" if "torch" in peers else "fusedrnn")
         for line in report.ceiling_lines(meta["ceilings"]):
             print(line)
+        wall = meta["wall_s_per_group"] = {}
         for i, case in enumerate(todo, 1):
             _progress(i, len(todo), case)
+            start = time.perf_counter()
             if case.group == "cold":
                 times = runner.cold_start(case, args.device, case.dtype or args.dtype,
                                           repeats, [p for p in peers if p in ("fusedrnn",
@@ -73,6 +76,7 @@ def run(args):
                 times = runner.run_case(pool, case, case.dtype or args.dtype, case_peers,
                                         repeats, block_s=args.block_ms / 1e3)
             results.append((case, {k: runner.summary(v) for k, v in times.items()}))
+            wall[case.group] = wall.get(case.group, 0.0) + time.perf_counter() - start
     finally:
         pool.close()
     print(file=sys.stderr)
@@ -96,7 +100,8 @@ def run(args):
                                results, title, peers),
              report.plot_grid(args.heatmap or f"fusedrnn-bench-{args.device}-grid.png",
                               results, title)]
-    print("\n" + "\n".join(n for n in notes if n))
+    print("\nWall time per group: " + ", ".join(f"{g} {s / 60:.1f} min" for g, s in wall.items()))
+    print("\n".join(n for n in notes if n))
     return 0
 
 
