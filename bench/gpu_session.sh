@@ -6,6 +6,9 @@
 #   bash bench/gpu_session.sh tests        # gpu-marked tests, per-step path, then persistent
 #   bash bench/gpu_session.sh bench-quick  # python -m fusedrnn bench --device gpu --quick
 #   bash bench/gpu_session.sh bench        # the full GPU benchmark (per-step path)
+#   bash bench/gpu_session.sh grid MODE    # the GPU size grid of one mode (4 x 6 x 6 sizes,
+#                                          # inference and training; one call per mode keeps
+#                                          # each under the device's 10 minutes)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -56,8 +59,16 @@ case "$phase" in
             --json "$OUT/gpu.json" --plot "$OUT/gpu-batch.png" "$@" 2>&1 \
             | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '^\['
         ;;
+    grid)   # $1: the mode; 20 ms blocks: GPU calls are short and 1152 cells are many
+        mode=${1:?usage: bash bench/gpu_session.sh grid MODE}
+        shift
+        timeout -s KILL 580 $PY -m fusedrnn bench --device gpu --cases grid \
+            --filter "^$mode " --repeats 3 --block-ms 20 --peers fusedrnn,torch \
+            --json "$OUT/gpu-grid-$mode.json" --heatmap "$OUT/gpu-grid-$mode.png" "$@" 2>&1 \
+            | tee "$OUT/grid-$mode.log" | tr '\r' '\n' | grep -v '^\['
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench] [extra arguments]" >&2
+        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench|grid MODE] [arguments]" >&2
         exit 2
         ;;
 esac

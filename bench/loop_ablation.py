@@ -1,12 +1,14 @@
 """Where the fused CPU loop's time goes: the loop alone, with parts of it removed.
 
     python bench/loop_ablation.py MODE [--dtype float32] [--shape T,N,I,H] [--rounds 9]
-        [--variants base,no_cell,...] [--backward]
+        [--block 3] [--variants base,no_cell,...] [--backward]
 
 Builds variants of fusedrnn/cpu/fused.py's kernels from its source with one part cut
 out, compiles each in this process (no disk cache), and times FusedLayer.forward (or
-.backward, with --backward) through the op, the variants interleaved round by round
-after a 0.3 s pause each (runner.py says why). Only the loop is timed, not the
+.backward, with --backward) through the op, the variants interleaved round by round.
+Loop timing, as in fusedrnn/benchmark/runner.py: each turn makes one untimed warm-in
+call (the previous variant's threads wind down on its time), then --block calls back to
+back, and reports their mean. Only the loop is timed, not the
 projection or the GEMMs around it. A variant's results are wrong by design: compare
 times only. Variants:
     base       the kernel as it is
@@ -81,6 +83,7 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--shape", default="300,20,800,800", help="T,N,I,H")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--block", type=int, default=3, help="timed calls per turn, back to back")
     p.add_argument("--variants", default=None, help="comma-separated; default: all")
     p.add_argument("--backward", action="store_true", help="time the backward loop")
     args = p.parse_args()
@@ -117,11 +120,12 @@ def main():
     for round_ in range(args.rounds + 1):      # round 0: compile and warm up, untimed
         for name, layer in layers.items():
             current["layer"] = layer
-            time.sleep(0.3)
+            call()  # warm-in, untimed
             spent[0] = 0.0
-            call()
+            for _ in range(args.block):
+                call()
             if round_:
-                times[name].append(spent[0] * 1e3)
+                times[name].append(spent[0] * 1e3 / args.block)
     print(f"{args.mode} {dtype} T,N,I,H={args.shape} {direction} loop alone, "
           f"{args.rounds} interleaved rounds:")
     for name, t in times.items():

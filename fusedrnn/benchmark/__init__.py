@@ -67,12 +67,11 @@ def run(args):
         for i, case in enumerate(todo, 1):
             _progress(i, len(todo), case)
             start = time.perf_counter()
+            case_peers = [p for p in peers if p in case_lib.peers_of(case)]
             if case.group == "cold":
                 times = runner.cold_start(case, args.device, case.dtype or args.dtype,
-                                          repeats, [p for p in peers if p in ("fusedrnn",
-                                                                              "torch")])
+                                          repeats, case_peers)
             else:
-                case_peers = [p for p in peers if not case.model or p in ("fusedrnn", "torch")]
                 times = runner.run_case(pool, case, case.dtype or args.dtype, case_peers,
                                         repeats, block_s=args.block_ms / 1e3)
             results.append((case, {k: runner.summary(v) for k, v in times.items()}))

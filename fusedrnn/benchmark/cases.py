@@ -99,6 +99,14 @@ def cases(groups, quick=False, device="cpu"):
     return out
 
 
+def peers_of(case):
+    """Who runs a case: everyone, except that the grid's headline and the train steps are
+    against torch.nn alone (the naive loops would double the grid's time)."""
+    if case.group in ("grid", "train-step", "cold"):
+        return ("fusedrnn", "torch")
+    return ("fusedrnn", "torch", "naive", "naive-hoisted")
+
+
 def grid_axes(quick, device):
     return GRID_QUICK if quick else GRID_GPU if device == "gpu" else GRID_CPU
 

@@ -62,8 +62,8 @@ class Device:
         return self.xp.cuda.get_elapsed_time(start, end) / 1e3
 
     def sync(self):
-        if self.name == "gpu":
-            self.xp.cuda.get_current_stream().synchronize()
+        if self.name == "gpu":  # the whole device: torch's stream as well as CuPy's
+            self.xp.cuda.runtime.deviceSynchronize()
 
 
 def torch_available(device):
