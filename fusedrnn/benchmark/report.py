@@ -39,7 +39,7 @@ def _gflops(case, times, peer, ceiling):
     if peer not in times:
         return "n/a", "n/a"
     gflops = case.flops / times[peer]["median"] / 1e9
-    return f"{gflops:.3g}", f"{100 * gflops / ceiling:.2g}%" if ceiling else "n/a"
+    return f"{gflops:.3g}", f"{100 * gflops / ceiling:.0f}%" if ceiling else "n/a"
 
 
 def ceiling_lines(ceilings):
@@ -241,6 +241,7 @@ def plot_grid(path, results, title):
     bar = fig.colorbar(image, ax=axes, shrink=0.6, label="x vs torch (log scale)")
     ticks = [0.25, 0.5, 0.8, 1, 1.2, 2, 4]
     bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+    bar.minorticks_off()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"heat map: {path}"
