@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from ..config import check_config
 from ..layout import BIAS_KINDS, ParamLayout
-from ..validate import check_config
 
 
 class _FusedRNNBase(nn.Module):
