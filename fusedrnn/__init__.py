@@ -9,9 +9,20 @@ layout (fusedrnn.param_layout) and the op cache.
 from .cache import CacheInfo, cache_info, clear_cache, set_cache_limits
 from .config import MODES, RNNConfig
 from .layout import ParamLayout, param_layout, param_size
+from . import op
 from .op import RNN, RNNGradients, TrainingHandle, rnn_backward
 
 __version__ = "0.1.0"
+
+
+def _torch_rnn(*args, **kwargs):
+    """op's handler for torch tensors until fusedrnn.torch is imported, which registers
+    its own `rnn` in this one's place: so torch loads on the first tensor, not here."""
+    from . import torch as fused_torch
+    return fused_torch.rnn(*args, **kwargs)
+
+
+op.register_array_type("torch", _torch_rnn)
 
 __all__ = ["RNN", "rnn_backward", "RNNGradients", "TrainingHandle", "param_size",
            "param_layout", "ParamLayout", "RNNConfig", "MODES", "cache_info", "clear_cache",

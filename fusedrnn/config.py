@@ -1,13 +1,22 @@
-"""What describes one RNN op instance: the cell table and the frozen config.
+"""What describes one RNN op instance: the cell table, the frozen config and its check,
+and the per-call options with the clip flags the kernels read.
 
 Everything a backend needs to plan a call is derived from `RNNConfig` plus the
-call's (T, N, dtype); the op cache keys on exactly these.
+call's (T, N, dtype); the op cache keys on exactly these. This module is the bottom
+layer: it imports nothing else of the package, so layout, validate, the driver and the
+backends (whose cached kernels compile the clip flags in) can all read it.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
-__all__ = ["CellSpec", "CELLS", "MODES", "RNNConfig"]
+import numpy as np
+
+__all__ = ["CellSpec", "CELLS", "MODES", "RNNConfig", "check_config", "CallOptions",
+           "CLIP", "CLIP_NAN"]
+
+CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
 
 
 @dataclass(frozen=True)
@@ -77,3 +86,44 @@ class RNNConfig:
 
     def layer_input_size(self, layer: int) -> int:
         return self.input_size if layer == 0 else self.directions * self.recurrent_size
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return int(value)
+
+
+def _bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
+    """The RNNConfig of these arguments, or a TypeError/ValueError naming the bad one."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if projection_size is not None:
+        projection_size = _positive_int("projection_size", projection_size)
+        if mode != "lstm":
+            raise ValueError(f"projection_size: only mode='lstm' has a projection, got mode={mode!r}")
+    return RNNConfig(mode=mode,
+                     input_size=_positive_int("input_size (data.shape[2])", input_size),
+                     state_size=_positive_int("state_size", state_size),
+                     num_layers=_positive_int("num_layers", num_layers),
+                     bidirectional=_bool("bidirectional", bidirectional),
+                     projection_size=projection_size)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call settings that do not change the plan (so not part of the cache key)."""
+    lengths: object = None       # (N,) int64 array of the backend, or None: all T steps
+    clip_lo: float = 0.0
+    clip_hi: float = 0.0
+    clip_flags: int = 0
+    dropout: float = 0.0         # training only, between layers
+    seed: int | None = None

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .config import RNNConfig
+from .config import RNNConfig, check_config
 
 __all__ = ["ParamLayout", "param_size", "param_layout"]
 
@@ -130,7 +130,6 @@ def _to_numpy(value) -> np.ndarray:
 def param_layout(*, mode: str, input_size: int, state_size: int, num_layers: int = 1,
                  bidirectional: bool = False, projection_size: int | None = None) -> ParamLayout:
     """The layout of one configuration's flat parameter vector."""
-    from .validate import check_config
     return ParamLayout(check_config(mode, input_size, state_size, num_layers,
                                     bidirectional, projection_size))
 

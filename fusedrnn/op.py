@@ -9,7 +9,18 @@ from .cache import thread_cache
 from .recurrence import RecurrentOp
 from .validate import check_call
 
-__all__ = ["RNN", "rnn_backward", "TrainingHandle", "RNNGradients"]
+__all__ = ["RNN", "rnn_backward", "TrainingHandle", "RNNGradients", "register_array_type"]
+
+# Array types that a layer above this one wraps (the torch integration registers
+# "torch"), keyed by the top-level package of the data's type. A registry, not an
+# import: op sits below them, and importing upward would close a cycle.
+_ARRAY_HANDLERS = {}
+
+
+def register_array_type(package, handler):
+    """From now on RNN(data, ...) returns handler(data, ...) (RNN's arguments, the
+    keywords by name) when type(data) comes from the top-level package `package`."""
+    _ARRAY_HANDLERS[package] = handler
 
 
 def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, state_size,
@@ -28,18 +39,19 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     (None: fresh entropy); the same seed gives the same masks.
 
     torch tensors (CPU or CUDA) go through DLPack without copies and return tensors that
-    torch.autograd differentiates (no handle is appended; see fusedrnn.torch.rnn). There
-    `train` defaults to whether autograd will need a backward; for arrays, to False.
+    torch.autograd differentiates (no handle is appended; see the torch integration's
+    `rnn`). There `train` defaults to whether autograd will need a backward; for arrays,
+    to False.
     """
-    if type(data).__module__.split(".")[0] == "torch":
-        from .torch import rnn
-        return rnn(data, parameters, state, state_cell, sequence_length,
-                   state_outputs=state_outputs, train=train, state_size=state_size,
-                   num_layers=num_layers, mode=mode, bidirectional=bidirectional, p=p,
-                   projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
-                   lstm_state_clip_max=lstm_state_clip_max,
-                   lstm_state_clip_nan=lstm_state_clip_nan,
-                   use_sequence_length=use_sequence_length, seed=seed)
+    handler = _ARRAY_HANDLERS.get(type(data).__module__.split(".")[0])
+    if handler is not None:
+        return handler(data, parameters, state, state_cell, sequence_length,
+                       state_outputs=state_outputs, train=train, state_size=state_size,
+                       num_layers=num_layers, mode=mode, bidirectional=bidirectional, p=p,
+                       projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
+                       lstm_state_clip_max=lstm_state_clip_max,
+                       lstm_state_clip_nan=lstm_state_clip_nan,
+                       use_sequence_length=use_sequence_length, seed=seed)
     train = False if train is None else train
     backend = _backend_for(data)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,

@@ -22,7 +22,6 @@ initial state) at the cost of the padded batch, with no per-sample loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,18 +30,7 @@ from .layout import ParamLayout
 
 PREV = (0, 1)   # row offset of h_{t-1} (in processing order) for direction 0 / 1
 NEXT = (1, 0)   # row offset of h_t
-CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
-
-
-@dataclass(frozen=True)
-class CallOptions:
-    """Per-call settings that do not change the plan (so not part of the cache key)."""
-    lengths: object = None       # (N,) int64 array of the backend, or None: all T steps
-    clip_lo: float = 0.0
-    clip_hi: float = 0.0
-    clip_flags: int = 0
-    dropout: float = 0.0         # training only, between layers
-    seed: int | None = None
+# `opts` below is a config.CallOptions (validate builds it; config: why it lives there).
 
 
 def _carve(xp, dtype, shapes):

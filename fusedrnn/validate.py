@@ -1,5 +1,6 @@
 """Argument checking: every bad input becomes a TypeError/ValueError naming the
-argument, what was expected and what came, before any backend sees it."""
+argument, what was expected and what came, before any backend sees it. The config's
+own arguments are checked by config.check_config, which this calls."""
 from __future__ import annotations
 
 import numbers
@@ -7,41 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MODES, RNNConfig
-from .recurrence import CLIP, CLIP_NAN, CallOptions
+from .config import CLIP, CLIP_NAN, CallOptions, RNNConfig, _bool, check_config
+from .layout import expected_size
 
-__all__ = ["check_config", "check_call", "CheckedCall"]
+__all__ = ["check_call", "CheckedCall"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
-    return int(value)
-
-
-def _bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    if projection_size is not None:
-        projection_size = _positive_int("projection_size", projection_size)
-        if mode != "lstm":
-            raise ValueError(f"projection_size: only mode='lstm' has a projection, got mode={mode!r}")
-    return RNNConfig(mode=mode,
-                     input_size=_positive_int("input_size (data.shape[2])", input_size),
-                     state_size=_positive_int("state_size", state_size),
-                     num_layers=_positive_int("num_layers", num_layers),
-                     bidirectional=_bool("bidirectional", bidirectional),
-                     projection_size=projection_size)
 
 
 @dataclass
@@ -105,7 +77,6 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
 
     T, N, _ = data.shape
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
-    from .layout import expected_size
     expected = expected_size(cfg)
     parameters = _array("parameters", parameters, 1, backend, data)
     if parameters.shape[0] != expected:

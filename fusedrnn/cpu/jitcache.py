@@ -4,8 +4,9 @@ Numba keys a cached kernel on the source of the one file that defines it (its co
 hash in numba 0.68, its timestamp in older releases) and on the kernel's own bytecode.
 Our kernels inline code from other files: fused.py and gemm.py compile in
 microkernel.py's register tiles, units.py's cell math, mathfn.py's functions, and the
-clip flags of ../recurrence.py. Edit one of those and Numba would load the old machine
-code from the cache: silently wrong results until someone clears __pycache__.
+clip flags of ../config.py (the one file outside cpu/ that cpu/ imports). Edit one of
+those and Numba would load the old machine code from the cache: silently wrong results
+until someone clears __pycache__.
 
 So for kernels defined in this package we put our own cache locators first in Numba's
 list. They store the cache where Numba's own would (NUMBA_CACHE_DIR, else __pycache__,
@@ -29,7 +30,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # The files whose code or constants a cached kernel of this package may compile in.
 DEPENDENCIES = tuple(sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE)
                             if name.endswith(".py"))) + \
-    (os.path.join(os.path.dirname(_HERE), "recurrence.py"),)
+    (os.path.join(os.path.dirname(_HERE), "config.py"),)
 
 
 def dependency_digest(paths=DEPENDENCIES):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numba as nb
 
-from ..recurrence import CLIP, CLIP_NAN  # the clip_flags bits, defined once
+from ..config import CLIP, CLIP_NAN  # the clip_flags bits, defined once
 from .mathfn import one_like, select, sigmoid, tanh, zero_like
 
 __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "clip",

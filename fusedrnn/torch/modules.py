@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from ..config import check_config
 from ..layout import BIAS_KINDS, ParamLayout
-from ..validate import check_config
+from .autograd import rnn
 
 
 class _FusedRNNBase(nn.Module):
@@ -77,7 +78,6 @@ class _FusedRNNBase(nn.Module):
                                       unexpected_keys, error_msgs)
 
     def forward(self, input, hx=None):
-        from . import rnn
         packed = isinstance(input, PackedSequence)
         lengths = None
         if packed:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import POISONED_NUMPY
-from fusedrnn.config import RNNConfig
+from fusedrnn.config import CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels, persistent
-from fusedrnn.recurrence import CallOptions, RecurrentOp
+from fusedrnn.recurrence import RecurrentOp
 
 
 def build_harness(tmp_dir):

@@ -12,7 +12,7 @@ from conftest import MODES, make_case, rel_err
 from fusedrnn.config import RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels
-from fusedrnn.recurrence import CallOptions
+from fusedrnn.config import CallOptions
 from host_backend import HostCudaBackend, build_harness
 from host_backend import run_training as _run
 

@@ -11,7 +11,7 @@ from conftest import MODES, make_case, rel_err
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
-from fusedrnn.recurrence import CallOptions
+from fusedrnn.config import CallOptions
 from host_backend import HostCudaBackend, build_harness, run_training
 
 H100 = DeviceLimits(sm_count=132, smem_per_block=227 * 1024)
