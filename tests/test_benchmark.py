@@ -115,6 +115,12 @@ def test_json_and_plots(quick_run):
             assert stats["min"] <= stats["median"] <= stats["max"]
         if case["group"] == "train-step":
             assert {"fusedrnn neighbour", "torch neighbour"} <= set(case["seconds"])
+        elif case["group"] != "cold":  # op calls: GFLOP/s and share of the ceiling per peer
+            ceiling = doc["ceilings"][case["dtype"] or "float32"]["best"]
+            for peer, stats in case["seconds"].items():
+                gflops = case["flops"] / stats["median"] / 1e9
+                assert case["gflops"][peer] == pytest.approx(gflops)
+                assert case["percent_of_ceiling"][peer] == pytest.approx(100 * gflops / ceiling)
     assert (out / "g.png").stat().st_size > 10_000  # the heat map
     assert not (out / "b.png").exists()  # no batch group, no batch plot
 

@@ -39,7 +39,10 @@ def _gflops(case, times, peer, ceiling):
     if peer not in times:
         return "n/a", "n/a"
     gflops = case.flops / times[peer]["median"] / 1e9
-    return f"{gflops:.3g}", f"{100 * gflops / ceiling:.0f}%" if ceiling else "n/a"
+    if not ceiling:
+        return f"{gflops:.3g}", "n/a"
+    share = 100 * gflops / ceiling  # whole percents, but a small share keeps two digits
+    return f"{gflops:.3g}", f"{share:.0f}%" if share >= 10 else f"{share:.2g}%"
 
 
 def ceiling_lines(ceilings):
@@ -159,11 +162,21 @@ def _fmt(value):
 
 
 def write_json(path, meta, results):
+    """Every case with its times, its ratio against torch.nn and, for op calls, each
+    peer's GFLOP/s and share of the ceiling of the case's dtype (the grid's cells too)."""
+    def rates(c, t):
+        if c.group in ("cold", "train-step"):  # a step's time is more than the RNN's GEMMs
+            return {}
+        ceiling = _ceiling_for(c, meta["dtype"], meta.get("ceilings", {}))
+        gflops = {p: c.flops / s["median"] / 1e9 for p, s in t.items()}
+        return dict(gflops=gflops, percent_of_ceiling={
+            p: 100 * g / ceiling for p, g in gflops.items()} if ceiling else None)
+
     doc = dict(meta, cases=[
         dict(group=c.group, name=c.name, mode=c.mode, T=c.T, N=c.N, I=c.I, H=c.H, L=c.L,
              bidirectional=c.bidirectional, train=c.train, flops=c.flops, dtype=c.dtype,
              model=c.model, cache=c.cache, ratio_vs_torch=ratio(t) if "fusedrnn" in t else None,
-             unit="us/call" if c.per_call else "samples/s", seconds=t)
+             unit="us/call" if c.per_call else "samples/s", seconds=t, **rates(c, t))
         for c, t in results])
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
