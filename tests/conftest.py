@@ -9,9 +9,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 import fusedrnn  # noqa: E402
 from fusedrnn.cpu import CpuBackend  # noqa: E402
+from fusedrnn.config import CELLS, MODES  # noqa: E402,F401  (the tests' modes: the table's)
 from reference import GATES  # noqa: E402
 
-from fusedrnn.config import CELLS, MODES  # noqa: E402,F401  (the tests' modes: the table's)
 # MXNet's golden vectors live in the repository (tests/golden), so a clone with nothing
 # beside it tests itself.
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"

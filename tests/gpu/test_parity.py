@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import GOLDEN_DIR, MODES, make_case, rel_err
+from conftest import CELLS, GOLDEN_DIR, MODES, make_case, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -236,7 +236,7 @@ def _boundary_sizes(gates, itemsize, batch):
 def test_persistent_at_the_selection_boundary(persistent_selected, mode):
     """Sizes either side of the rule's edge: the largest persistent one and the first that
     falls back to the per-step path both equal the CPU (float32, N=20)."""
-    gates = {"lstm": 4, "gru": 3}[mode]
+    gates = CELLS[mode].gates
     for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False)):
         persistent_selected.clear()
         case, kw, heads = make_case(mode, T=5, N=20, I=8, H=H, L=1, D=2, dtype=np.float32,
