@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 
 import fusedrnn
+from fusedrnn.config import CELLS
 from fusedrnn.gpu.persistent import ENV
 
 
@@ -26,7 +27,8 @@ def run(persistent, mode, dtype, T=24, N=20, I=37, H=203, L=2, D=2, seed=0):
     x = cupy.asarray(rng.standard_normal((T, N, I)), dtype)
     w = cupy.asarray(rng.uniform(-H ** -0.5, H ** -0.5, size), dtype)
     h0 = cupy.asarray(0.5 * rng.standard_normal((L * D, N, H)), dtype)
-    c0 = cupy.asarray(0.5 * rng.standard_normal((L * D, N, H)), dtype) if mode == "lstm" else None
+    c0 = (cupy.asarray(0.5 * rng.standard_normal((L * D, N, H)), dtype)
+          if CELLS[mode].has_cell_state else None)
     *outs, handle = fusedrnn.RNN(x, w, h0, c0, **kw, state_outputs=True, train=True)
     dout = cupy.asarray(rng.standard_normal(outs[0].shape), dtype)
     grads = fusedrnn.rnn_backward(handle, dout)

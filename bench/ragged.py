@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 import fusedrnn
+from fusedrnn.config import CELLS
 
 
 def main():
@@ -38,8 +39,8 @@ def main():
     params = rng.uniform(-args.H ** -0.5, args.H ** -0.5, layout.size).astype(np.float32)
     lengths = rng.integers(1, T + 1, N).astype(np.int32)
     lengths[0] = T
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(args.mode, torch.nn.RNN)
-    module = cls(args.I, args.H)
+    cell = CELLS[args.mode]
+    module = getattr(torch.nn, cell.torch_class)(args.I, args.H, **cell.torch_kwargs)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in
                             layout.to_torch_state_dict(params).items()})
     x = torch.from_numpy(data)

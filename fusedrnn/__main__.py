@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 import fusedrnn
+from fusedrnn.config import CELLS
 
 
 def demo(args) -> int:
@@ -32,9 +33,10 @@ def demo(args) -> int:
     except ImportError:
         print("  torch not installed: skipped the comparison with torch.nn")
         return 0
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(args.mode, torch.nn.RNN)
-    extra = {} if args.mode in ("lstm", "gru") else {"nonlinearity": args.mode[4:]}
-    module = cls(I, H, num_layers=L, bidirectional=args.bidirectional, **extra).double()
+    cell = CELLS[args.mode]
+    module = getattr(torch.nn, cell.torch_class)(I, H, num_layers=L,
+                                                 bidirectional=args.bidirectional,
+                                                 **cell.torch_kwargs).double()
     module.load_state_dict({k: torch.from_numpy(v) for k, v in
                             layout.to_torch_state_dict(params).items()})
     x = torch.from_numpy(data).requires_grad_()

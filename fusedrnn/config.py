@@ -13,27 +13,52 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CellSpec", "CELLS", "MODES", "RNNConfig", "check_config", "CallOptions",
-           "CLIP", "CLIP_NAN"]
+__all__ = ["CellSpec", "CELLS", "MODES", "modes_with", "RNNConfig", "check_config",
+           "CallOptions", "CLIP", "CLIP_NAN"]
 
 CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
 
 
 @dataclass(frozen=True)
 class CellSpec:
-    """Static facts about one cell type.
+    """Static facts about one cell type: the one table a mode is defined by.
 
-    gates:  G, the number of H-row gate blocks in W_x / W_h ([i,f,g,o], [r,z,n], ...).
-    saved:  width of the per-step training record, in units of H (what backward
-            reads instead of recomputing: activated gates, plus GRU's W_hn h + b_hn).
-    carry:  the extra gradient carried between backward steps besides dh:
-            "c" (LSTM: dc flows to c_{t-1}), "h" (GRU: z*dh flows straight to
-            h_{t-1}), or None.
+    Everything else that depends on the mode (validation, the drivers, the torch
+    bindings, the GPU kernel names, the benchmark's torch peer, the tests) reads these
+    fields, so a new mode is a row here plus its unit math in cpu/units.py and
+    gpu/cells.cuh and its reference in tests/reference.py (README: "Adding a cell").
+
+    gates:        G, the number of H-row gate blocks in W_x / W_h, in this order.
+    gate_names:   the G blocks' names, in layout order ([i,f,g,o], [r,z,n], ...).
+    saved:        width of the per-step training record, in units of H (what backward
+                  reads instead of recomputing: activated gates, plus GRU's W_hn h + b_hn).
+    carry:        the extra gradient carried between backward steps besides dh:
+                  "c" (LSTM: dc flows to c_{t-1}), "h" (GRU: z*dh flows straight to
+                  h_{t-1}), or None.
+    cuda_cell:    the cell's struct in gpu/cells.cuh (namespace fusedrnn), the first
+                  template argument of every GPU kernel instantiated for this mode.
+    torch_class:  the torch.nn class with the same math and layout ("RNN", "LSTM", "GRU").
+    nonlinearity: that class's `nonlinearity` argument for this mode, or None where it
+                  takes none.
+    projection:   projection_size (LSTMP's W_r) applies to this mode.
+    state_clip:   lstm_state_clip_min/max apply (they clip the cell state c).
     """
 
     gates: int
+    gate_names: tuple
     saved: int
     carry: str | None
+    cuda_cell: str
+    torch_class: str
+    nonlinearity: str | None = None
+    projection: bool = False
+    state_clip: bool = False
+
+    def __post_init__(self):
+        # The table's own consistency: a slip here would surface far away.
+        assert len(self.gate_names) == self.gates, self.gate_names
+        assert self.carry in (None, "c", "h"), self.carry
+        assert not self.state_clip or self.has_cell_state, "state_clip needs a cell state"
 
     @property
     def has_cell_state(self) -> bool:
@@ -45,14 +70,28 @@ class CellSpec:
         # share one pre-activation gradient for both GEMM inputs.
         return self.carry == "h"
 
+    @property
+    def torch_kwargs(self) -> dict:
+        """The extra constructor arguments of torch.nn.<torch_class> for this mode."""
+        return {} if self.nonlinearity is None else {"nonlinearity": self.nonlinearity}
+
 
 CELLS = {
-    "rnn_relu": CellSpec(gates=1, saved=1, carry=None),
-    "rnn_tanh": CellSpec(gates=1, saved=1, carry=None),
-    "lstm": CellSpec(gates=4, saved=4, carry="c"),
-    "gru": CellSpec(gates=3, saved=4, carry="h"),
+    "rnn_relu": CellSpec(gates=1, gate_names=("a",), saved=1, carry=None, cuda_cell="ReluCell",
+                         torch_class="RNN", nonlinearity="relu"),
+    "rnn_tanh": CellSpec(gates=1, gate_names=("a",), saved=1, carry=None, cuda_cell="TanhCell",
+                         torch_class="RNN", nonlinearity="tanh"),
+    "lstm": CellSpec(gates=4, gate_names=("i", "f", "g", "o"), saved=4, carry="c",
+                     cuda_cell="LstmCell", torch_class="LSTM", projection=True, state_clip=True),
+    "gru": CellSpec(gates=3, gate_names=("r", "z", "n"), saved=4, carry="h", cuda_cell="GruCell",
+                    torch_class="GRU"),
 }
 MODES = tuple(CELLS)
+
+
+def modes_with(flag):
+    """The modes whose CellSpec has `flag` set, as error messages name them: "'lstm'"."""
+    return ", ".join(repr(m) for m, c in CELLS.items() if getattr(c, flag))
 
 
 @dataclass(frozen=True)
@@ -108,8 +147,9 @@ def check_config(mode, input_size, state_size, num_layers, bidirectional, projec
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if projection_size is not None:
         projection_size = _positive_int("projection_size", projection_size)
-        if mode != "lstm":
-            raise ValueError(f"projection_size: only mode='lstm' has a projection, got mode={mode!r}")
+        if not CELLS[mode].projection:
+            raise ValueError(f"projection_size: only mode={modes_with('projection')} has a "
+                             f"projection, got mode={mode!r}")
     return RNNConfig(mode=mode,
                      input_size=_positive_int("input_size (data.shape[2])", input_size),
                      state_size=_positive_int("state_size", state_size),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import CLIP, CLIP_NAN, CallOptions, RNNConfig, _bool, check_config
+from .config import CLIP, CLIP_NAN, CallOptions, RNNConfig, _bool, check_config, modes_with
 from .layout import expected_size
 
 __all__ = ["check_call", "CheckedCall"]
@@ -99,8 +99,8 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
                 raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "
                                  f"{(LD, N, H)}, got {state_cell.shape}")
     elif state_cell is not None:
-        raise ValueError(f"state_cell: only mode='lstm' has a cell state, got one for "
-                         f"mode={cfg.mode!r}")
+        raise ValueError(f"state_cell: only mode={modes_with('has_cell_state')} has a cell state, "
+                         f"got one for mode={cfg.mode!r}")
     options = CallOptions(
         lengths=_check_lengths(backend, data, sequence_length, use_sequence_length),
         **_check_clip(cfg, lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan),
@@ -142,9 +142,9 @@ def _check_clip(cfg, lo, hi, clip_nan):
     clip_nan = _bool("lstm_state_clip_nan", clip_nan)
     if lo is None and hi is None:
         return {}  # MXNet: clip_nan without a range is ignored
-    if cfg.mode != "lstm":
-        raise ValueError(f"lstm_state_clip_min/lstm_state_clip_max: only mode='lstm' has a cell "
-                         f"state to clip, got mode={cfg.mode!r}")
+    if not cfg.cell.state_clip:
+        raise ValueError(f"lstm_state_clip_min/lstm_state_clip_max: only mode="
+                         f"{modes_with('state_clip')} has a cell state to clip, got mode={cfg.mode!r}")
     if lo is None or hi is None:
         raise ValueError(f"lstm_state_clip_min/lstm_state_clip_max: give both bounds or "
                          f"neither, got min={lo!r}, max={hi!r}")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case, rel_err, tolerance
+from conftest import CELLS, MODES, make_case, rel_err, tolerance
 from reference import (finite_difference, loss_reference, param_count, rnn_reference,
                        split_params)
 from torch_ref import flat_grads, loaded_module, torch_run
@@ -60,7 +60,7 @@ def check_forward(case, kw, feats, masks=None, state_outputs=True, **op_extra):
         result = result[0] if len(result) == 1 else result
     outs = list(result) if state_outputs else [result]
     ref = rnn_reference(**case, **kw, **ref_args(feats), dropout_masks=masks)
-    assert len(outs) == (3 if kw["mode"] == "lstm" and state_outputs else
+    assert len(outs) == (3 if CELLS[kw["mode"]].has_cell_state and state_outputs else
                          2 if state_outputs else 1)
     for ours, theirs in zip(outs, ref):
         assert ours.dtype == dtype

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import GOLDEN_DIR, rel_err
+from conftest import CELLS, GOLDEN_DIR, MXNET_ROUNDS_TO_FLOAT32, rel_err
 
 
 def _cases():
@@ -24,7 +24,7 @@ def _tolerance(case, dtype):
     # MXNet's CPU kernel rounds every ReLU result (and its backward) to float32 even in
     # float64 (manifest notes; its own check against the numpy reference shows ~6e-8),
     # so its rnn_relu vectors are only float32-exact. Exact math agrees to ~1e-7.
-    return 1e-6 if case["rnn_kwargs"]["mode"] == "rnn_relu" else 1e-10
+    return 1e-6 if case["rnn_kwargs"]["mode"] in MXNET_ROUNDS_TO_FLOAT32 else 1e-10
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -33,7 +33,7 @@ def test_golden(case, dtype):
     arrays = np.load(GOLDEN_DIR / case["file"])
     inputs = [arrays[name].astype(dtype) for name in case["rnn_array_args"]]
     kwargs = case["rnn_kwargs"]
-    lstm = kwargs["mode"] == "lstm"
+    lstm = CELLS[kwargs["mode"]].has_cell_state
     *outputs, handle = fusedrnn.RNN(*inputs, **kwargs, train=True)
     grads = fusedrnn.rnn_backward(handle, arrays["dout"].astype(dtype),
                                   arrays["dhy"].astype(dtype),

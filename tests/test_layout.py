@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, param_count
+from conftest import CELLS, MODES, param_count
 
 import torch  # noqa: E402  (installed by the `test` extra)
 
@@ -42,9 +42,9 @@ def test_views_tile_the_vector_in_spec_order():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_state_dict_round_trip(mode):
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode, torch.nn.RNN)
-    extra = {} if mode in ("lstm", "gru") else {"nonlinearity": mode[4:]}
-    module = cls(input_size=5, hidden_size=4, num_layers=2, bidirectional=True, **extra)
+    cell = CELLS[mode]
+    module = getattr(torch.nn, cell.torch_class)(input_size=5, hidden_size=4, num_layers=2,
+                                                 bidirectional=True, **cell.torch_kwargs)
     layout = fusedrnn.param_layout(mode=mode, input_size=5, state_size=4, num_layers=2,
                                    bidirectional=True)
     flat = layout.from_torch_state_dict(module.state_dict())

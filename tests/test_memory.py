@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case
+from conftest import CELLS, MODES, make_case
 from fusedrnn.recurrence import RecurrentOp
 from reference import param_count
 
@@ -81,8 +81,8 @@ def random_call(rng):
     T, N, I, H = (int(shape_rng.integers(1, hi + 1)) for hi in (5, 4, 5, 6))
     L, D = int(shape_rng.integers(1, 3)), int(shape_rng.integers(1, 3))
     dtype = (np.float32, np.float64)[shape_rng.integers(2)]
-    P = (int(shape_rng.integers(1, H)) if mode == "lstm" and H >= 2 and shape_rng.random() < 0.3
-         else None)
+    P = (int(shape_rng.integers(1, H))
+         if CELLS[mode].projection and H >= 2 and shape_rng.random() < 0.3 else None)
     R = P or H
     kw = dict(mode=mode, state_size=H, num_layers=L, bidirectional=D == 2,
               projection_size=P, state_outputs=bool(rng.random() < 0.5))
@@ -91,7 +91,7 @@ def random_call(rng):
                   .astype(dtype))
     if rng.random() < 0.5:
         arrays["state"] = rng.standard_normal((L * D, N, R)).astype(dtype)
-        if mode == "lstm":
+        if CELLS[mode].has_cell_state:
             arrays["state_cell"] = rng.standard_normal((L * D, N, H)).astype(dtype)
     if rng.random() < 0.3:
         kw.update(sequence_length=rng.integers(1, T + 1, N), use_sequence_length=True)
@@ -246,14 +246,15 @@ def outstanding_case(seed, mode, L, D, P=None, lengths=False, dtype=np.float64):
                 parameters=rng.uniform(-0.4, 0.4, param_count(mode, I, H, L, D, P)).astype(dtype),
                 state=rng.standard_normal((L * D, N, R)).astype(dtype),
                 state_cell=rng.standard_normal((L * D, N, H)).astype(dtype)
-                if mode == "lstm" else None)
+                if CELLS[mode].has_cell_state else None)
     kw = dict(mode=mode, state_size=H, num_layers=L, bidirectional=D == 2, projection_size=P,
               state_outputs=True)
     if lengths:
         kw.update(sequence_length=rng.integers(1, T + 1, N), use_sequence_length=True)
     heads = dict(dout=rng.standard_normal((T, N, D * R)).astype(dtype),
                  dhy=rng.standard_normal((L * D, N, R)).astype(dtype),
-                 dcy=rng.standard_normal((L * D, N, H)).astype(dtype) if mode == "lstm" else None)
+                 dcy=(rng.standard_normal((L * D, N, H)).astype(dtype)
+                      if CELLS[mode].has_cell_state else None))
     return case, kw, heads
 
 

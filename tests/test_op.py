@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case, rel_err, tolerance
+from conftest import CELLS, MODES, make_case, rel_err, tolerance
 from reference import finite_difference, loss_reference, rnn_reference
 
 
@@ -18,7 +18,7 @@ def test_forward_matches_reference(mode, L, D, dtype):
     assert out.dtype == hy.dtype == dtype
     assert rel_err(out, ref_out) <= tolerance(dtype)
     assert rel_err(hy, ref_hy) <= tolerance(dtype)
-    if mode == "lstm":
+    if CELLS[mode].has_cell_state:
         assert rel_err(cy[0], ref_cy) <= tolerance(dtype)
     else:
         assert cy == []
@@ -71,7 +71,7 @@ def test_missing_states_default_to_zero(mode):
     out = fusedrnn.RNN(**case, **kw)
     zeros = np.zeros((4, 3, 6))
     ref_out, _, _ = rnn_reference(case["data"], case["parameters"], zeros,
-                                  zeros if mode == "lstm" else None, **kw)
+                                  zeros if CELLS[mode].has_cell_state else None, **kw)
     assert rel_err(out, ref_out) <= 1e-10
 
 
@@ -80,7 +80,7 @@ def test_output_arity_like_mxnet(mode):
     case, kw, _ = make_case(mode)
     assert isinstance(fusedrnn.RNN(**case, **kw), np.ndarray)
     outs = fusedrnn.RNN(**case, **kw, state_outputs=True)
-    assert len(outs) == (3 if mode == "lstm" else 2)
+    assert len(outs) == (3 if CELLS[mode].has_cell_state else 2)
     *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
     assert isinstance(handle, fusedrnn.TrainingHandle)
     out, handle = fusedrnn.RNN(**case, **kw, train=True)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fusedrnn
-from conftest import MODES, rel_err, tolerance
+from conftest import CELLS, MODES, rel_err, tolerance
 from reference import param_count, rnn_reference
 
 # The autouse poisoning fixture is function-scoped; hypothesis warns that it is not reset
@@ -62,9 +62,9 @@ def configs(draw, modes=MODES):
     T, N = draw(st.integers(1, 6)), draw(st.integers(1, 4))
     I, H = draw(st.integers(1, 5)), draw(st.integers(1, 6))
     P = clip = lengths = None
-    if mode == "lstm":
-        if H >= 2 and draw(st.booleans()):
-            P = draw(st.integers(1, H - 1))
+    if CELLS[mode].projection and H >= 2 and draw(st.booleans()):
+        P = draw(st.integers(1, H - 1))
+    if CELLS[mode].state_clip:
         if draw(st.booleans()):
             # Bounds around 0 so they bite (c is O(0.1..1) with these inputs) but not
             # everywhere; lo == hi (a constant c) is valid and allowed. Multiples of 1/8,
@@ -94,7 +94,7 @@ def inputs(cfg):
         state=(0.5 * rng.standard_normal((LD, cfg.N, cfg.R))).astype(cfg.dtype)
         if cfg.states else None,
         state_cell=(0.5 * rng.standard_normal((LD, cfg.N, cfg.H))).astype(cfg.dtype)
-        if cfg.states and cfg.mode == "lstm" else None,
+        if cfg.states and CELLS[cfg.mode].has_cell_state else None,
     )
     shared = dict(mode=cfg.mode, state_size=cfg.H, num_layers=cfg.L,
                   bidirectional=cfg.D == 2, projection_size=cfg.P)
@@ -145,7 +145,7 @@ def heads_for(cfg, rng):
     dhy = (rng.standard_normal((LD, cfg.N, cfg.R)).astype(cfg.dtype)
            if cfg.state_outputs else None)
     dcy = (rng.standard_normal((LD, cfg.N, cfg.H)).astype(cfg.dtype)
-           if cfg.state_outputs and cfg.mode == "lstm" else None)
+           if cfg.state_outputs and CELLS[cfg.mode].has_cell_state else None)
     return dict(dout=dout, dhy=dhy, dcy=dcy)
 
 

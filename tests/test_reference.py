@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODES, make_case
+from conftest import CELLS, MODES, make_case
 from reference import (finite_difference, join_params, loss_reference, param_count,
                        rnn_reference, sigmoid, split_params, to_torch_names)
 from torch_ref import loaded_module, torch_module, torch_run
@@ -126,13 +126,13 @@ def test_dropout_masks_match_stacked_torch_layers(mode, D):
         s = slice(layer * D, (layer + 1) * D)
         out, h, c = run_torch(module, mode, dict(
             data=x, state=case["state"][s],
-            state_cell=None if mode != "lstm" else case["state_cell"][s]))
+            state_cell=case["state_cell"][s] if CELLS[mode].has_cell_state else None))
         hy.append(h)
         cy.append(c)
         x = out * masks[layer] if layer < L - 1 else out
     assert max_rel(ours[0], x) <= TOL
     assert max_rel(ours[1], np.concatenate(hy)) <= TOL
-    if mode == "lstm":
+    if CELLS[mode].has_cell_state:
         assert max_rel(ours[2], np.concatenate(cy)) <= TOL
     all_ones = rnn_reference(**case, **kw, dropout_masks=[np.ones((T, N, D * H))] * (L - 1))
     assert np.array_equal(all_ones[0], rnn_reference(**case, **kw)[0])
@@ -185,7 +185,7 @@ def test_clip_nan():
 def test_finite_differences_with_lengths_and_projection_match_torch_autograd(mode):
     """The FD gradients test_features.py trusts, against torch autograd (lengths, projection)."""
     T, N, I, H, L, D = 4, 3, 3, 4, 2, 2
-    P = 2 if mode == "lstm" else None
+    P = 2 if CELLS[mode].projection else None
     if P:
         case = proj_case(T, N, I, H, P, L, D, seed=9)
     else:
@@ -193,7 +193,7 @@ def test_finite_differences_with_lengths_and_projection_match_torch_autograd(mod
     R = P or H
     rng = np.random.default_rng(10)
     heads = dict(dout=rng.standard_normal((T, N, D * R)), dhy=rng.standard_normal((L * D, N, R)),
-                 dcy=rng.standard_normal((L * D, N, H)) if mode == "lstm" else None)
+                 dcy=rng.standard_normal((L * D, N, H)) if CELLS[mode].has_cell_state else None)
     lengths = np.array([2, 4, 1])
     kw = dict(mode=mode, state_size=H, num_layers=L, bidirectional=True, projection_size=P,
               sequence_length=lengths)

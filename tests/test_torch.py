@@ -3,19 +3,15 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case, rel_err, tolerance
+from conftest import CELLS, MODES, make_case, rel_err, tolerance
 
 import torch  # noqa: E402  (installed by the `test` extra)
 
 
 def torch_module(mode, I, H, L, D, dtype):
     common = dict(input_size=I, hidden_size=H, num_layers=L, bidirectional=D == 2)
-    if mode == "lstm":
-        module = torch.nn.LSTM(**common)
-    elif mode == "gru":
-        module = torch.nn.GRU(**common)
-    else:
-        module = torch.nn.RNN(**common, nonlinearity=mode[4:])
+    cell = CELLS[mode]
+    module = getattr(torch.nn, cell.torch_class)(**common, **cell.torch_kwargs)
     return module.to(torch.float64 if dtype == np.float64 else torch.float32)
 
 
@@ -37,7 +33,7 @@ def test_matches_torch_forward_and_backward(mode, L, D, dtype):
 
     x = torch.from_numpy(case["data"]).requires_grad_()
     h0 = torch.from_numpy(case["state"]).requires_grad_()
-    if mode == "lstm":
+    if CELLS[mode].has_cell_state:
         c0 = torch.from_numpy(case["state_cell"]).requires_grad_()
         t_out, (t_hy, t_cy) = module(x, (h0, c0))
         t_outs = (t_out, t_hy, t_cy)
@@ -52,7 +48,7 @@ def test_matches_torch_forward_and_backward(mode, L, D, dtype):
         assert rel_err(ours, theirs.detach().numpy()) <= tol
     assert rel_err(grads.data, x.grad.numpy()) <= tol
     assert rel_err(grads.state, h0.grad.numpy()) <= tol
-    if mode == "lstm":
+    if CELLS[mode].has_cell_state:
         assert rel_err(grads.state_cell, c0.grad.numpy()) <= tol
     torch_grads = {k: p.grad.numpy() for k, p in module.named_parameters()}
     assert rel_err(grads.parameters, layout.from_torch_state_dict(torch_grads)) <= tol

@@ -3,17 +3,17 @@ reference's own slicing), run plain or through a PackedSequence, with autograd."
 import numpy as np
 import torch
 
+from fusedrnn.config import CELLS
+
 from reference import join_params, to_torch_names
 
 
 def torch_module(mode, I, H, L, D, P=None, dtype=np.float64):
     common = dict(input_size=I, hidden_size=H, num_layers=L, bidirectional=D == 2)
-    if mode == "lstm":
-        module = torch.nn.LSTM(**common, proj_size=P or 0)
-    elif mode == "gru":
-        module = torch.nn.GRU(**common)
-    else:
-        module = torch.nn.RNN(**common, nonlinearity=mode[4:])
+    cell = CELLS[mode]
+    if cell.projection:
+        common["proj_size"] = P or 0
+    module = getattr(torch.nn, cell.torch_class)(**common, **cell.torch_kwargs)
     return module.to(torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
 
 
@@ -39,13 +39,13 @@ def torch_run(module, mode, case, heads=None, lengths=None):
     x = torch.from_numpy(case["data"]).requires_grad_(train)
     h0 = torch.from_numpy(case["state"]).requires_grad_(train)
     c0 = (torch.from_numpy(case["state_cell"]).requires_grad_(train)
-          if mode == "lstm" else None)
+          if CELLS[mode].has_cell_state else None)
     inp = x
     if lengths is not None:
         inp = torch.nn.utils.rnn.pack_padded_sequence(x, torch.as_tensor(np.asarray(lengths)),
                                                       enforce_sorted=False)
     with torch.set_grad_enabled(train):
-        if mode == "lstm":
+        if CELLS[mode].has_cell_state:
             out, (hy, cy) = module(inp, (h0, c0))
         else:
             (out, hy), cy = module(inp, h0), None

@@ -9,6 +9,8 @@ import numpy as np
 
 import fusedrnn
 
+from ..config import CELLS
+
 # Peers of the op: fusedrnn's call, torch.nn's module, the textbook loops.
 OP_PEERS = ("fusedrnn", "torch", "naive", "naive-hoisted")
 # The train-step group has two: fusedrnn.torch's module and torch.nn's, in the same model.
@@ -65,9 +67,8 @@ def torch_module(mode, *args, fused=False, **kwargs):
         import fusedrnn.torch as nn
     else:
         from torch import nn
-    if mode in ("lstm", "gru"):
-        return getattr(nn, mode.upper())(*args, **kwargs)
-    return nn.RNN(*args, nonlinearity=mode.split("_")[1], **kwargs)
+    cell = CELLS[mode]
+    return getattr(nn, cell.torch_class)(*args, **cell.torch_kwargs, **kwargs)
 
 
 def torch_peer(inputs, device):
@@ -152,7 +153,7 @@ def naive_peer(inputs, hoisted):
     `hoisted` computes every step's x @ W_x.T in one GEMM first. Inference of one layer
     only: it has no backward, and its multi-layer figures cost minutes and say nothing
     the single-layer ones do not."""
-    if inputs.case.train or inputs.case.L > 1:
+    if inputs.case.train or inputs.case.L > 1 or inputs.case.mode not in NAIVE_CELLS:
         return None
     return lambda: naive_forward(inputs, hoisted)
 
@@ -170,24 +171,36 @@ def naive_forward(inputs, hoisted):
             gx_all = (x.reshape(c.T * c.N, -1) @ wx.T + bx).reshape(c.T, c.N, -1) if hoisted else None
             for t in (range(c.T) if d == 0 else range(c.T - 1, -1, -1)):
                 gx = gx_all[t] if hoisted else x[t] @ wx.T + bx
-                h, cell = _naive_cell(xp, c.mode, gx, h @ wh.T + bh, h, cell)
+                h, cell = NAIVE_CELLS[c.mode](xp, gx, h @ wh.T + bh, h, cell)
                 y[t] = h
             outs.append(y)
         x = xp.concatenate(outs, axis=2) if c.D == 2 else outs[0]
     return x
 
 
-def _naive_cell(xp, mode, gx, gh, h, c):
-    sigmoid = lambda v: 1 / (1 + xp.exp(-v))  # noqa: E731
-    if mode == "lstm":
-        i, f, g, o = xp.split(gx + gh, 4, axis=1)
-        c = sigmoid(f) * c + sigmoid(i) * xp.tanh(g)
-        return sigmoid(o) * xp.tanh(c), c
-    if mode == "gru":
-        xr, xz, xn = xp.split(gx, 3, axis=1)
-        hr, hz, hn = xp.split(gh, 3, axis=1)
-        r, z = sigmoid(xr + hr), sigmoid(xz + hz)
-        n = xp.tanh(xn + r * hn)
-        return (1 - z) * n + z * h, c
-    a = gx + gh
-    return (xp.maximum(a, 0) if mode == "rnn_relu" else xp.tanh(a)), c
+def _sigmoid(xp, v):
+    return 1 / (1 + xp.exp(-v))
+
+
+def _naive_lstm(xp, gx, gh, h, c):
+    i, f, g, o = xp.split(gx + gh, 4, axis=1)
+    c = _sigmoid(xp, f) * c + _sigmoid(xp, i) * xp.tanh(g)
+    return _sigmoid(xp, o) * xp.tanh(c), c
+
+
+def _naive_gru(xp, gx, gh, h, c):
+    xr, xz, xn = xp.split(gx, 3, axis=1)
+    hr, hz, hn = xp.split(gh, 3, axis=1)
+    r, z = _sigmoid(xp, xr + hr), _sigmoid(xp, xz + hz)
+    n = xp.tanh(xn + r * hn)
+    return (1 - z) * n + z * h, c
+
+
+# The textbook cells, (xp, gx, gh, h, c) -> (h, c). Optional per mode: a mode without
+# one has no naive peer (make returns None), so adding a mode need not touch this file.
+NAIVE_CELLS = {
+    "rnn_relu": lambda xp, gx, gh, h, c: (xp.maximum(gx + gh, 0), c),
+    "rnn_tanh": lambda xp, gx, gh, h, c: (xp.tanh(gx + gh), c),
+    "lstm": _naive_lstm,
+    "gru": _naive_gru,
+}

@@ -17,8 +17,8 @@ __all__ = ["SOURCE_PATH", "CELL_TYPES", "kernel_names", "all_kernel_names", "gri
            "forward_args", "backward_args", "CellKernels", "cupy_cell_kernels"]
 
 SOURCE_PATH = Path(__file__).with_name("cells.cuh")
-CELL_TYPES = {"rnn_relu": "fusedrnn::ReluCell", "rnn_tanh": "fusedrnn::TanhCell",
-              "lstm": "fusedrnn::LstmCell", "gru": "fusedrnn::GruCell"}
+# Every mode of the table is instantiated: its struct in cells.cuh is named by the table.
+CELL_TYPES = {mode: f"fusedrnn::{cell.cuda_cell}" for mode, cell in CELLS.items()}
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 THREADS = 256          # per block; the pointwise step is memory-bound, any multiple of 32 does
 MAX_BLOCKS = 2 ** 31 - 1

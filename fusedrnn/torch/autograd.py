@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import op
+from ..config import CELLS
 
 __all__ = ["rnn", "to_array", "to_tensor"]
 
@@ -71,7 +72,7 @@ class _RNNFunction(torch.autograd.Function):
             handle.release()  # training mode (dropout) without a backward to come
             handle = None
         out, hy = result[0], result[1]
-        cy = result[2] if kwargs["mode"] == "lstm" else None
+        cy = result[2] if CELLS[kwargs["mode"]].has_cell_state else None
         ctx.handle, ctx.arrays, ctx.kwargs = handle, arrays, kwargs
         # Saved for torch's version counters: an in-place change of an input before
         # backward raises there, as with torch.nn, instead of changing the gradients.
@@ -97,7 +98,7 @@ class _RNNFunction(torch.autograd.Function):
                 kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
                 handle = ctx.handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
             heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
-            if ctx.kwargs["mode"] != "lstm":
+            if not CELLS[ctx.kwargs["mode"]].has_cell_state:
                 heads[2] = None
             # retain: a second backward (retain_graph=True) reuses the same record and
             # dropout masks; the reserve is freed with the graph (ctx).
@@ -137,4 +138,4 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     out, hy, cy = _RNNFunction.apply(data, parameters, state, state_cell, lengths, kwargs)
     if not state_outputs:
         return out
-    return (out, hy, cy) if kwargs["mode"] == "lstm" else (out, hy)
+    return (out, hy, cy) if CELLS[kwargs["mode"]].has_cell_state else (out, hy)

@@ -13,9 +13,19 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from ..config import check_config
+from ..config import CELLS, check_config
 from ..layout import BIAS_KINDS, ParamLayout
 from .autograd import rnn
+
+
+def _mode_of(torch_class, nonlinearity=None):
+    """The mode whose CellSpec names this torch.nn class (and nonlinearity)."""
+    for mode, cell in CELLS.items():
+        if (cell.torch_class, cell.nonlinearity) == (torch_class, nonlinearity):
+            return mode
+    known = " or ".join(repr(c.nonlinearity) for c in CELLS.values()
+                        if c.torch_class == torch_class)
+    raise ValueError(f"nonlinearity: expected {known}, got {nonlinearity!r}")
 
 
 class _FusedRNNBase(nn.Module):
@@ -88,7 +98,8 @@ class _FusedRNNBase(nn.Module):
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
         if h0 is not None and h0.dim() == 2:  # torch accepts unbatched states with 2-D input
             raise ValueError("hx: expected (num_layers*directions, N, H) states")
-        outs = rnn(data, self.weight, h0, c0 if self.mode == "lstm" else None,
+        has_cell = CELLS[self.mode].has_cell_state
+        outs = rnn(data, self.weight, h0, c0 if has_cell else None,
                    lengths if packed else None, state_outputs=True, train=self.training,
                    mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
                    bidirectional=self.bidirectional, p=self.dropout,
@@ -98,7 +109,7 @@ class _FusedRNNBase(nn.Module):
             out = _repack(out, input)
         elif self.batch_first:
             out = out.transpose(0, 1)
-        return (out, (hy, outs[2])) if self.mode == "lstm" else (out, hy)
+        return (out, (hy, outs[2])) if has_cell else (out, hy)
 
     def extra_repr(self):
         s = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
@@ -123,10 +134,9 @@ class RNN(_FusedRNNBase):
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None):
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        mode = _mode_of("RNN", nonlinearity)
         self.nonlinearity = nonlinearity
-        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias,
+        super().__init__(mode, input_size, hidden_size, num_layers, bias,
                          batch_first, dropout, bidirectional, 0, device, dtype)
 
 
@@ -135,8 +145,8 @@ class LSTM(_FusedRNNBase):
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
                  dropout=0.0, bidirectional=False, proj_size=0, device=None, dtype=None):
-        super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, proj_size, device, dtype)
+        super().__init__(_mode_of("LSTM"), input_size, hidden_size, num_layers, bias,
+                         batch_first, dropout, bidirectional, proj_size, device, dtype)
 
 
 class GRU(_FusedRNNBase):
@@ -144,5 +154,5 @@ class GRU(_FusedRNNBase):
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
                  dropout=0.0, bidirectional=False, device=None, dtype=None):
-        super().__init__("gru", input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, 0, device, dtype)
+        super().__init__(_mode_of("GRU"), input_size, hidden_size, num_layers, bias,
+                         batch_first, dropout, bidirectional, 0, device, dtype)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import POISONED_NUMPY
-from fusedrnn.config import CallOptions, RNNConfig
+from fusedrnn.config import CELLS, CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels, persistent
 from fusedrnn.recurrence import RecurrentOp
@@ -26,8 +26,10 @@ def build_harness(tmp_dir):
             pytest.fail("g++ not found: CI must build the CUDA kernels for the host")
         pytest.skip("g++ not found")
     lib = Path(tmp_dir) / "libcells_host.so"
+    # The harness instantiates its entries from this X-macro list: the modes of the table.
+    cells = " ".join(f"X({mode}, {cell.cuda_cell})" for mode, cell in CELLS.items())
     subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-                    "-I", str(kernels.SOURCE_PATH.parent),
+                    f"-DFUSEDRNN_HOST_CELLS(X)={cells}", "-I", str(kernels.SOURCE_PATH.parent),
                     str(Path(__file__).with_name("host_harness.cpp")), "-o", str(lib)],
                    check=True)
     return ctypes.CDLL(str(lib))

@@ -13,14 +13,14 @@ using namespace fusedrnn;
       backward_element<CELL, T>(k, FUSEDRNN_BACKWARD_ARGS);                            \
   }
 
-HOST_ENTRIES(rnn_relu_float, ReluCell, float)
-HOST_ENTRIES(rnn_relu_double, ReluCell, double)
-HOST_ENTRIES(rnn_tanh_float, TanhCell, float)
-HOST_ENTRIES(rnn_tanh_double, TanhCell, double)
-HOST_ENTRIES(lstm_float, LstmCell, float)
-HOST_ENTRIES(lstm_double, LstmCell, double)
-HOST_ENTRIES(gru_float, GruCell, float)
-HOST_ENTRIES(gru_double, GruCell, double)
+// FUSEDRNN_HOST_CELLS(X) expands X(mode, CellStruct) once per mode of fusedrnn.config.CELLS;
+// host_backend.py passes it with -D, so a new mode needs no edit here.
+#ifndef FUSEDRNN_HOST_CELLS
+#error "FUSEDRNN_HOST_CELLS(X): build through tests/gpu/host_backend.py, which defines it"
+#endif
+#define CELL_ENTRIES(MODE, CELL) \
+  HOST_ENTRIES(MODE##_float, CELL, float) HOST_ENTRIES(MODE##_double, CELL, double)
+FUSEDRNN_HOST_CELLS(CELL_ENTRIES)
 
 // ---- the persistent kernels (persistent.cuh), phase by phase ----
 // Entries take the device kernels' arguments after (blocks, threads); the grid barrier's
@@ -84,11 +84,6 @@ void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_B
     host_persistent_backward<CELL, T>(blocks, threads, FUSEDRNN_PERSISTENT_BACKWARD_ARGS); \
   }
 
-PERSISTENT_ENTRIES(rnn_relu_float, ReluCell, float)
-PERSISTENT_ENTRIES(rnn_relu_double, ReluCell, double)
-PERSISTENT_ENTRIES(rnn_tanh_float, TanhCell, float)
-PERSISTENT_ENTRIES(rnn_tanh_double, TanhCell, double)
-PERSISTENT_ENTRIES(lstm_float, LstmCell, float)
-PERSISTENT_ENTRIES(lstm_double, LstmCell, double)
-PERSISTENT_ENTRIES(gru_float, GruCell, float)
-PERSISTENT_ENTRIES(gru_double, GruCell, double)
+#define CELL_PERSISTENT_ENTRIES(MODE, CELL) \
+  PERSISTENT_ENTRIES(MODE##_float, CELL, float) PERSISTENT_ENTRIES(MODE##_double, CELL, double)
+FUSEDRNN_HOST_CELLS(CELL_PERSISTENT_ENTRIES)

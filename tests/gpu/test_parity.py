@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import GOLDEN_DIR, MODES, make_case, rel_err
+from conftest import CELLS, GOLDEN_DIR, MODES, MXNET_ROUNDS_TO_FLOAT32, make_case, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -92,12 +92,12 @@ def test_golden_on_gpu(case, persistent, monkeypatch):
     monkeypatch.setenv(ENV, persistent)
     arrays = np.load(GOLDEN_DIR / case["file"])
     kwargs = case["rnn_kwargs"]
-    lstm = kwargs["mode"] == "lstm"
+    lstm = CELLS[kwargs["mode"]].has_cell_state
     inputs = [cupy.asarray(arrays[name]) for name in case["rnn_array_args"]]
     *outs, handle = fusedrnn.RNN(*inputs, **kwargs, train=True)
     grads = fusedrnn.rnn_backward(handle, cupy.asarray(arrays["dout"]), cupy.asarray(arrays["dhy"]),
                                   cupy.asarray(arrays["dcy"]) if lstm else None)
-    tol = 1e-6 if kwargs["mode"] == "rnn_relu" else 1e-10  # see tests/test_golden.py
+    tol = 1e-6 if kwargs["mode"] in MXNET_ROUNDS_TO_FLOAT32 else 1e-10  # tests/test_golden.py
     for name, got in zip(("out", "hy", "cy"), outs):
         assert rel_err(cupy.asnumpy(got), arrays[name]) <= tol
     for field in ("data", "parameters", "state", "state_cell"):
@@ -236,7 +236,7 @@ def _boundary_sizes(gates, itemsize, batch):
 def test_persistent_at_the_selection_boundary(persistent_selected, mode):
     """Sizes either side of the rule's edge: the largest persistent one and the first that
     falls back to the per-step path both equal the CPU (float32, N=20)."""
-    gates = {"lstm": 4, "gru": 3}[mode]
+    gates = CELLS[mode].gates
     for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False)):
         persistent_selected.clear()
         case, kw, heads = make_case(mode, T=5, N=20, I=8, H=H, L=1, D=2, dtype=np.float32,

@@ -6,7 +6,7 @@ import torch
 
 import fusedrnn
 import fusedrnn.torch as ft
-from conftest import MODES, make_case
+from conftest import CELLS, MODES, make_case
 
 
 def _tensors(case, requires_grad=True):
@@ -15,10 +15,10 @@ def _tensors(case, requires_grad=True):
 
 
 def _torch_module(mode, kw, I, params):
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode, torch.nn.RNN)
-    extra = {} if mode in ("lstm", "gru") else {"nonlinearity": mode[4:]}
-    module = cls(I, kw["state_size"], num_layers=kw["num_layers"],
-                 bidirectional=kw["bidirectional"], **extra).double()
+    cell = CELLS[mode]
+    module = getattr(torch.nn, cell.torch_class)(I, kw["state_size"], num_layers=kw["num_layers"],
+                                                 bidirectional=kw["bidirectional"],
+                                                 **cell.torch_kwargs).double()
     layout = fusedrnn.param_layout(mode=mode, input_size=I, state_size=kw["state_size"],
                                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
     module.load_state_dict({k: torch.from_numpy(v)
@@ -39,16 +39,17 @@ def test_autograd_matches_torch_nn(mode, L, D):
     module, layout = _torch_module(mode, kw, case["data"].shape[2], case["parameters"])
     x = torch.from_numpy(case["data"]).requires_grad_()
     h0 = torch.from_numpy(case["state"]).requires_grad_()
-    c0 = torch.from_numpy(case["state_cell"]).requires_grad_() if mode == "lstm" else None
-    ref = module(x, (h0, c0) if mode == "lstm" else h0)
-    ref_outs = (ref[0], *ref[1]) if mode == "lstm" else ref
+    has_cell = CELLS[mode].has_cell_state
+    c0 = torch.from_numpy(case["state_cell"]).requires_grad_() if has_cell else None
+    ref = module(x, (h0, c0) if has_cell else h0)
+    ref_outs = (ref[0], *ref[1]) if has_cell else ref
     sum((o * torch.from_numpy(heads[k])).sum()
         for o, k in zip(ref_outs, ("dout", "dhy", "dcy"))).backward()
     for ours, theirs in zip(outs, ref_outs):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(t["data"].grad, x.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(t["state"].grad, h0.grad, rtol=1e-10, atol=1e-12)
-    if mode == "lstm":
+    if has_cell:
         torch.testing.assert_close(t["state_cell"].grad, c0.grad, rtol=1e-10, atol=1e-12)
     ref_grad = layout.from_torch_state_dict({k: p.grad for k, p in module.named_parameters()})
     np.testing.assert_allclose(t["parameters"].grad.numpy(), ref_grad, rtol=1e-10, atol=1e-12)

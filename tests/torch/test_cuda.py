@@ -13,14 +13,15 @@ if not HAVE_GPU:
     pytest.skip("no CUDA device (or no CuPy)", allow_module_level=True)
 
 import fusedrnn.torch as ft  # noqa: E402
+from fusedrnn.config import CELLS  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
     torch.manual_seed(0)
-    cls = torch.nn.LSTM if mode == "lstm" else torch.nn.GRU
-    theirs = cls(5, 7, num_layers=2, bidirectional=True).double().cuda()
-    ours = (ft.LSTM if mode == "lstm" else ft.GRU)(5, 7, num_layers=2, bidirectional=True)
+    name = CELLS[mode].torch_class
+    theirs = getattr(torch.nn, name)(5, 7, num_layers=2, bidirectional=True).double().cuda()
+    ours = getattr(ft, name)(5, 7, num_layers=2, bidirectional=True)
     ours = ours.double().cuda()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(6, 3, 5, dtype=torch.float64, device="cuda")

@@ -6,9 +6,10 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import fusedrnn.torch as ft
+from fusedrnn.config import CELLS
 
-CLASSES = {"rnn_tanh": ("RNN", {"nonlinearity": "tanh"}), "rnn_relu": ("RNN", {"nonlinearity": "relu"}),
-           "lstm": ("LSTM", {}), "gru": ("GRU", {})}
+# Every mode's torch.nn class and its fusedrnn.torch drop-in, as the table names them.
+CLASSES = {mode: (cell.torch_class, cell.torch_kwargs) for mode, cell in CELLS.items()}
 
 
 def pair(mode, **kw):
@@ -60,9 +61,9 @@ def test_module_matches_torch_nn(mode, num_layers, bidirectional, batch_first):
     hx = ((num_layers * D, 3, 5), (num_layers * D, 3, 5))
     (o1, s1, g1), (o2, s2, g2) = run_both(
         theirs, ours, lambda: torch.randn(*shape, dtype=torch.float64, requires_grad=True),
-        hx, cell=mode == "lstm")
+        hx, cell=CELLS[mode].has_cell_state)
     close(o2, o1)
-    for a, b in zip(s2 if mode == "lstm" else (s2,), s1 if mode == "lstm" else (s1,)):
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         close(a, b)
     for a, b in zip(g2, g1):
         close(a, b)
@@ -78,9 +79,9 @@ def test_packed_sequence_input(mode, bidirectional):
     def packed():
         x = torch.randn(5, 4, 3, dtype=torch.float64, requires_grad=True)
         return pack_padded_sequence(x, lengths, enforce_sorted=False)
-    (o1, s1, _), (o2, s2, _) = run_both(theirs, ours, packed, cell=mode == "lstm")
+    (o1, s1, _), (o2, s2, _) = run_both(theirs, ours, packed, cell=CELLS[mode].has_cell_state)
     close(o2, o1)
-    for a, b in zip(s2 if mode == "lstm" else (s2,), s1 if mode == "lstm" else (s1,)):
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         close(a, b)
     close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
 
