@@ -40,7 +40,7 @@ def main():
     lengths = rng.integers(1, T + 1, N).astype(np.int32)
     lengths[0] = T
     cell = CELLS[args.mode]
-    module = getattr(torch.nn, cell.torch_class)(args.I, args.H, **cell.torch_kwargs)
+    module = cell.torch_module(torch.nn, args.I, args.H)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in
                             layout.to_torch_state_dict(params).items()})
     x = torch.from_numpy(data)

@@ -34,9 +34,8 @@ def demo(args) -> int:
         print("  torch not installed: skipped the comparison with torch.nn")
         return 0
     cell = CELLS[args.mode]
-    module = getattr(torch.nn, cell.torch_class)(I, H, num_layers=L,
-                                                 bidirectional=args.bidirectional,
-                                                 **cell.torch_kwargs).double()
+    module = cell.torch_module(torch.nn, I, H, num_layers=L,
+                               bidirectional=args.bidirectional).double()
     module.load_state_dict({k: torch.from_numpy(v) for k, v in
                             layout.to_torch_state_dict(params).items()})
     x = torch.from_numpy(data).requires_grad_()
@@ -45,7 +44,7 @@ def demo(args) -> int:
     t_grad = layout.from_torch_state_dict({k: p.grad for k, p in module.named_parameters()})
     err_out = np.abs(out - t_out.detach().numpy()).max()
     err_grad = np.abs(grads.parameters - t_grad).max()
-    print(f"  torch {torch.__version__} nn.{cls.__name__}: max |out diff| = {err_out:.1e}, "
+    print(f"  torch {torch.__version__} nn.{cell.torch_class}: max |out diff| = {err_out:.1e}, "
           f"max |grad diff| = {err_grad:.1e}")
     return 0 if max(err_out, err_grad) < 1e-9 else 1
 

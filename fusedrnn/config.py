@@ -75,6 +75,12 @@ class CellSpec:
         """The extra constructor arguments of torch.nn.<torch_class> for this mode."""
         return {} if self.nonlinearity is None else {"nonlinearity": self.nonlinearity}
 
+    def torch_module(self, nn, *args, **kwargs):
+        """This mode's module from `nn` (torch.nn, or fusedrnn.torch's drop-ins), built
+        with torch.nn's constructor arguments; the namespace is passed in, so the table
+        itself never imports torch."""
+        return getattr(nn, self.torch_class)(*args, **self.torch_kwargs, **kwargs)
+
 
 CELLS = {
     "rnn_relu": CellSpec(gates=1, gate_names=("a",), saved=1, carry=None, cuda_cell="ReluCell",

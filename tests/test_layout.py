@@ -42,9 +42,8 @@ def test_views_tile_the_vector_in_spec_order():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_state_dict_round_trip(mode):
-    cell = CELLS[mode]
-    module = getattr(torch.nn, cell.torch_class)(input_size=5, hidden_size=4, num_layers=2,
-                                                 bidirectional=True, **cell.torch_kwargs)
+    module = CELLS[mode].torch_module(torch.nn, input_size=5, hidden_size=4, num_layers=2,
+                                      bidirectional=True)
     layout = fusedrnn.param_layout(mode=mode, input_size=5, state_size=4, num_layers=2,
                                    bidirectional=True)
     flat = layout.from_torch_state_dict(module.state_dict())

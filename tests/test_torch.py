@@ -4,15 +4,9 @@ import pytest
 
 import fusedrnn
 from conftest import CELLS, MODES, make_case, rel_err, tolerance
+from torch_ref import torch_module
 
 import torch  # noqa: E402  (installed by the `test` extra)
-
-
-def torch_module(mode, I, H, L, D, dtype):
-    common = dict(input_size=I, hidden_size=H, num_layers=L, bidirectional=D == 2)
-    cell = CELLS[mode]
-    module = getattr(torch.nn, cell.torch_class)(**common, **cell.torch_kwargs)
-    return module.to(torch.float64 if dtype == np.float64 else torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -22,7 +16,7 @@ def torch_module(mode, I, H, L, D, dtype):
 def test_matches_torch_forward_and_backward(mode, L, D, dtype):
     T, N, I, H = 6, 4, 5, 7
     case, kw, heads = make_case(mode, T=T, N=N, I=I, H=H, L=L, D=D, dtype=dtype, seed=L + 3 * D)
-    module = torch_module(mode, I, H, L, D, dtype)
+    module = torch_module(mode, I, H, L, D, dtype=dtype)
     layout = fusedrnn.param_layout(mode=mode, input_size=I, state_size=H, num_layers=L,
                                    bidirectional=D == 2)
     module.load_state_dict({k: torch.from_numpy(v)

@@ -13,7 +13,7 @@ def torch_module(mode, I, H, L, D, P=None, dtype=np.float64):
     cell = CELLS[mode]
     if cell.projection:
         common["proj_size"] = P or 0
-    module = getattr(torch.nn, cell.torch_class)(**common, **cell.torch_kwargs)
+    module = cell.torch_module(torch.nn, **common)
     return module.to(torch.float64 if np.dtype(dtype) == np.float64 else torch.float32)
 
 

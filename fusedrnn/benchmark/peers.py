@@ -67,8 +67,7 @@ def torch_module(mode, *args, fused=False, **kwargs):
         import fusedrnn.torch as nn
     else:
         from torch import nn
-    cell = CELLS[mode]
-    return getattr(nn, cell.torch_class)(*args, **cell.torch_kwargs, **kwargs)
+    return CELLS[mode].torch_module(nn, *args, **kwargs)
 
 
 def torch_peer(inputs, device):

@@ -16,9 +16,8 @@ def _tensors(case, requires_grad=True):
 
 def _torch_module(mode, kw, I, params):
     cell = CELLS[mode]
-    module = getattr(torch.nn, cell.torch_class)(I, kw["state_size"], num_layers=kw["num_layers"],
-                                                 bidirectional=kw["bidirectional"],
-                                                 **cell.torch_kwargs).double()
+    module = cell.torch_module(torch.nn, I, kw["state_size"], num_layers=kw["num_layers"],
+                               bidirectional=kw["bidirectional"]).double()
     layout = fusedrnn.param_layout(mode=mode, input_size=I, state_size=kw["state_size"],
                                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"])
     module.load_state_dict({k: torch.from_numpy(v)
