@@ -3,10 +3,12 @@
 Written once against an array module `xp` (numpy or cupy) and a backend's per-step
 cell kernels (fusedrnn/cpu/cells.py documents their contract), so CPU and GPU share it.
 
-Per layer: all time steps' input projections in one GEMM (both directions at once);
-per step one recurrent GEMM and one fused pointwise kernel (plus, for a projected
-LSTM, the W_r GEMM). Backward mirrors it and computes the weight gradients as one GEMM
-over all steps per direction.
+Per layer: all time steps' input projections in one GEMM (both directions at once),
+then each direction's time loop, by one of two drivers: StepDriver, per step one
+recurrent GEMM and one pointwise cell kernel (plus, for a projected LSTM, the W_r GEMM);
+or FusedDriver, one call of the backend's whole-layer loop (a FusedLayer, below).
+Backward mirrors it and computes the weight gradients as one GEMM over all steps per
+direction, whichever driver ran the loop.
 
 State-sequence indexing: for direction d, `hs[d]` has T+1 rows. The forward direction
 keeps its initial state in row 0 and h_t in row t+1; the backward direction keeps h_t in
@@ -23,6 +25,7 @@ initial state) at the cost of the padded batch, with no per-sample loop.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -51,12 +54,58 @@ def _prod(shape):
     return n
 
 
+@runtime_checkable
+class FusedLayer(Protocol):
+    """A backend's whole-layer loop: one call runs every step of one layer and direction.
+
+    cpu/fused.py's FusedLayer (one Numba parallel region) and gpu/persistent.py's
+    PersistentLayer (one persistent kernel) implement it; backend.fused_layer returns one,
+    or None where it does not apply (the StepDriver then runs the layer). Arrays follow
+    the row convention above; cpu/fused.py documents each argument's shape and aliasing.
+    """
+
+    projects_input: bool      # True: it also implements InputProjection (its own W_x GEMM)
+    fuses_single_step: bool   # True: it also implements SingleStep (used at T=1)
+
+    def forward_scratch(self, config, steps, batch) -> dict:
+        """{name: shape} of scratch in the data's dtype, carved once per op; forward and
+        forward_single receive it as a namespace of those names."""
+
+    def backward_scratch(self, config, batch) -> dict:
+        """{name: shape} backward needs beyond forward_scratch's; backward receives both."""
+
+    def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
+                clip_hi, clip_flags) -> None:
+        """Direction d of one layer: xproj (T, N, D*G*H) holds W_x x_t of both directions
+        (no bias); hs/cs hold the initial state; writes hs, cs, y's columns of d, and
+        saved (the training record) unless it is (0, 0, 0, 0)."""
+
+    def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
+                 scratch, lengths, clip_lo, clip_hi, clip_flags) -> None:
+        """Direction d's backward loop; on exit dh_0 = dg_first @ W_h + dh_carry, the
+        caller running that last GEMM (dg_first: dgh, or dgx, at d's first step)."""
+
+
+@runtime_checkable
+class InputProjection(Protocol):
+    def project(self, x2d, w_xs, out, scratch) -> None:
+        """out (T*N, D*G*H) = x2d @ [W_x of each direction]^T, replacing the BLAS GEMM."""
+
+
+@runtime_checkable
+class SingleStep(Protocol):
+    def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
+                       clip_lo, clip_hi, clip_flags) -> None:
+        """forward at T=1 from the layer input x2d (N, K) and the raw W_x."""
+
+
 class RecurrentOp:
     """One op instance for fixed (config, T, N, dtype) on one backend.
 
-    Holds the compiled cell kernels, scratch buffers reused by every call (their
-    contents never outlive a call), and a small pool of training reserves. A reserve
-    belongs to exactly one training forward until its backward hands it back.
+    Holds the driver (the backend's fused layer where it has one, else its per-step
+    kernels), scratch buffers reused by every call (their contents never outlive a
+    call), and a small pool of training reserves. A reserve belongs to exactly one
+    training forward until its backward hands it back.
     """
 
     RESERVE_POOL = 1  # reserves kept for reuse; a training loop needs one
@@ -65,26 +114,21 @@ class RecurrentOp:
         self.backend, self.config, self.xp = backend, config, backend.xp
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
-        self.forward_step, self.backward_step = backend.cell_kernels(config.mode, dtype)
-        self.fused = backend.fused_layer(config, dtype, batch)
+        layer = backend.fused_layer(config, dtype, batch)
+        self.driver = FusedDriver(self, layer) if layer is not None else \
+            StepDriver(self, *backend.cell_kernels(config.mode, dtype))
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
-        lstm, proj = config.cell.has_cell_state, bool(config.projection_size)
         max_in = max(config.layer_input_size(layer) for layer in range(L))
-        shapes = {
+        self.scratch, self.nbytes = _carve(self.xp, dtype, {
             "xproj": (T * N, D * GH),
-            "gh": (N, GH),
             "wx_packed": (D * GH * max_in if D > 1 else 0,),
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
-            "cs": (D, T + 1, N, H if lstm else 0),
-            "hraw": (N, H if proj else 0),  # the unprojected h of one step (inference)
+            "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
             "ys": (min(L - 1, 2), T, N, D * R),
             "empty": (0, 0),
-            "no_record": (0, 0, 0, 0),
-        }
-        if self.fused is not None:   # the fused layer's own (its forward_scratch)
-            shapes.update(self.fused.forward_scratch(config, T, N))
-        self.scratch, self.nbytes = _carve(self.xp, dtype, shapes)
+            **self.driver.forward_scratch(),
+        })
         self.no_lengths = self.xp.empty(0, dtype="int64")
         self._backward_scratch = None
         self._reserve_pool = []
@@ -113,8 +157,8 @@ class RecurrentOp:
             self._reserve_pool.append(reserve)
             self.nbytes += reserve.nbytes
 
-    # -- helpers ----------------------------------------------------------------------
-    def _packed_wx(self, params, layer):
+    # -- helpers the drivers share ----------------------------------------------------
+    def packed_wx(self, params, layer):
         """(D*G*H, In) input weights of both directions, contiguous, for one GEMM."""
         D = self.config.directions
         if D == 1:
@@ -125,24 +169,19 @@ class RecurrentOp:
             packed[d * GH:(d + 1) * GH] = self.layout.view(params, layer, d, "W_x")
         return packed
 
-    def _project_input(self, layer, x, params):
-        """scratch.xproj = W_x x_t of every step and both directions, one GEMM: the fused
-        layer's own where it has one (cpu/gemm.py: why), else the backend's BLAS."""
-        T, N, D = self.T, self.N, self.config.directions
-        x2d = x.reshape(T * N, -1)
-        if self.fused is not None and self.fused.projects_input:
-            w_xs = [self.layout.view(params, layer, d, "W_x") for d in range(D)]
-            self.fused.project(x2d, w_xs, self.scratch.wx_panels, self.scratch.xproj,
-                               self.scratch.spill)
-        else:
-            self.xp.matmul(x2d, self._packed_wx(params, layer).T, out=self.scratch.xproj)
+    def project_input(self, layer, x, params):
+        """scratch.xproj = W_x x_t of every step and both directions, one BLAS GEMM."""
+        x2d = x.reshape(self.T * self.N, -1)
+        self.xp.matmul(x2d, self.packed_wx(params, layer).T, out=self.scratch.xproj)
 
-    def _steps(self, d):
+    def steps(self, d):
         return range(self.T) if d == 0 else range(self.T - 1, -1, -1)
 
-    def _step_tail(self, opts, t):
-        lengths = self.no_lengths if opts.lengths is None else opts.lengths
-        return lengths, t, opts.clip_lo, opts.clip_hi, opts.clip_flags
+    def initial_state(self, layer, d, h0, c0, hs, cs):
+        idx, first = layer * self.config.directions + d, (0 if d == 0 else self.T)
+        hs[d, first] = h0[idx] if h0 is not None else 0
+        if self.config.cell.has_cell_state:
+            cs[d, first] = c0[idx] if c0 is not None else 0
 
     def _length_masks(self, opts):
         """(active as data's dtype, inactive as bool), both (T, N, 1): the projected
@@ -169,24 +208,23 @@ class RecurrentOp:
         records what backward needs into it."""
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
-        lstm = cfg.cell.has_cell_state
+        lstm, training = cfg.cell.has_cell_state, reserve is not None
         out = xp.empty((T, N, D * R), dtype=self.dtype)
         hy = xp.empty((L * D, N, R), dtype=self.dtype)
         cy = xp.empty((L * D, N, H), dtype=self.dtype) if lstm else None
         masks = self._length_masks(opts)
-        dropout = self._dropout_masks(opts) if reserve is not None and opts.dropout > 0 else []
+        dropout = self._dropout_masks(opts) if training and opts.dropout > 0 else []
         x = data
         for layer in range(L):
             if layer == L - 1:
                 y = out
             else:
-                y = reserve.ys[layer] if reserve is not None else self.scratch.ys[layer % 2]
-            training = reserve is not None
+                y = reserve.ys[layer] if training else self.scratch.ys[layer % 2]
             hs = reserve.hs[layer] if training else self.scratch.hs
             cs = reserve.cs[layer] if training else self.scratch.cs
-            self._layer_forward(layer, x, params, h0, c0, y, opts, masks, hs, cs,
-                                hraw=reserve.hraw[layer] if training else None,
-                                saved=reserve.saved[layer] if training else None)
+            self.driver.layer_forward(layer, x, params, h0, c0, y, opts, masks, hs, cs,
+                                      hraw=reserve.hraw[layer] if training else None,
+                                      saved=reserve.saved[layer] if training else None)
             for d in range(D):
                 last = T if d == 0 else 0
                 hy[layer * D + d] = hs[d, last]
@@ -195,79 +233,9 @@ class RecurrentOp:
             if dropout and layer < L - 1:
                 y *= dropout[layer]
             x = y
-        if reserve is not None:
+        if training:
             reserve.masks = dropout
         return out, hy, cy
-
-    def _layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved):
-        xp, cfg, T, N = self.xp, self.config, self.T, self.N
-        D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
-        lstm, proj = cfg.cell.has_cell_state, bool(cfg.projection_size)
-        empty, s, lay = self.scratch.empty, self.scratch, self.layout
-        if self.fused is not None:
-            self._fused_layer_forward(layer, x, params, h0, c0, y, opts, hs, cs, saved)
-            return
-        xproj = s.xproj.reshape(T, N, D * GH)
-        self._project_input(layer, x, params)
-        active, inactive = masks
-        for d in range(D):
-            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
-            w_r = lay.view(params, layer, d, "W_r") if proj else None
-            prev, nxt = PREV[d], NEXT[d]
-            self._initial_state(layer, d, h0, c0, hs, cs)
-            for t in self._steps(d):
-                xp.matmul(hs[d, t + prev], w_h.T, out=s.gh)
-                c_prev = cs[d, t + prev] if lstm else empty
-                c_next = cs[d, t + nxt] if lstm else empty
-                record = saved[d, t] if saved is not None else empty
-                if proj:
-                    # The cell yields h (N, H); the state and output are r = W_r h (N, P).
-                    h = hraw[d, t] if hraw is not None else s.hraw
-                    self.forward_step(xproj[t, :, d * GH:(d + 1) * GH], s.gh, b_x, b_h, empty,
-                                      c_prev, h, c_next, h, record, *self._step_tail(opts, t))
-                    xp.matmul(h, w_r.T, out=hs[d, t + nxt])
-                    if inactive is not None:
-                        xp.copyto(hs[d, t + nxt], hs[d, t + prev], where=inactive[t])
-                else:
-                    self.forward_step(xproj[t, :, d * GH:(d + 1) * GH], s.gh, b_x, b_h,
-                                      hs[d, t + prev], c_prev, hs[d, t + nxt], c_next,
-                                      y[t, :, d * R:(d + 1) * R], record,
-                                      *self._step_tail(opts, t))
-            if proj:  # the layer output is the state sequence, zero past each length
-                states = hs[d, nxt:nxt + T]
-                if active is not None:
-                    xp.multiply(states, active, out=y[:, :, d * R:(d + 1) * R])
-                else:
-                    y[:, :, d * R:(d + 1) * R] = states
-
-    def _initial_state(self, layer, d, h0, c0, hs, cs):
-        idx, first = layer * self.config.directions + d, (0 if d == 0 else self.T)
-        hs[d, first] = h0[idx] if h0 is not None else 0
-        if self.config.cell.has_cell_state:
-            cs[d, first] = c0[idx] if c0 is not None else 0
-
-    def _fused_layer_forward(self, layer, x, params, h0, c0, y, opts, hs, cs, saved):
-        """The backend's whole-layer loop (cpu/fused.py), one call per direction; at T=1
-        its single-region form where it has one (FusedLayer.forward_single: why)."""
-        cfg, T, N, s, lay = self.config, self.T, self.N, self.scratch, self.layout
-        D, GH = cfg.directions, cfg.gate_rows
-        lengths = self.no_lengths if opts.lengths is None else opts.lengths
-        record = s.no_record if saved is None else saved
-        tail = (lengths, opts.clip_lo, opts.clip_hi, opts.clip_flags)
-        single = T == 1 and self.fused.fuses_single_step
-        xproj = s.xproj.reshape(T, N, D * GH)
-        if not single:   # the T=1 form projects its input itself
-            self._project_input(layer, x, params)
-        for d in range(D):
-            self._initial_state(layer, d, h0, c0, hs, cs)
-            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
-            if single:
-                self.fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
-                                          w_h, b_x, b_h, hs, cs, y, record, s.tiles,
-                                          s.x_cols, s.h_cols, *tail)
-            else:
-                self.fused.forward(xproj, d, self.fused.pack(w_h, s.wpack), b_x, b_h, hs, cs,
-                                   y, record, s.tiles, *tail)
 
     # -- backward ---------------------------------------------------------------------
     def _backward_buffers(self):
@@ -282,12 +250,10 @@ class RecurrentOp:
                 "dy_masked": (T, N, D * R if proj else 0),
                 "zeros_out": (T, N, D * R),
                 "dr": (T, N, R if proj else 0),        # gradient w.r.t. each step's r
-                "dhraw": (N, H if proj else 0),
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
-                **(self.fused.backward_scratch(cfg, N) if self.fused
-                   else {"wpack_rows": (0,)}),
+                **self.driver.backward_scratch(),
             })
             self.nbytes += nbytes
         return self._backward_scratch
@@ -317,7 +283,7 @@ class RecurrentOp:
                 self._direction_backward(layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
                                          opts, masks, b, g_h0, g_c0)
             dx = g_data if layer == 0 else b.dys
-            xp.matmul(b.dgx, self._packed_wx(params, layer), out=dx.reshape(T * N, -1))
+            xp.matmul(b.dgx, self.packed_wx(params, layer), out=dx.reshape(T * N, -1))
             if layer > 0 and reserve.masks:
                 b.dys *= reserve.masks[layer - 1]
             dy = b.dys
@@ -327,35 +293,24 @@ class RecurrentOp:
                             opts, masks, b, g_h0, g_c0):
         xp, cfg, T, N, lay = self.xp, self.config, self.T, self.N, self.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
-        cell, empty, proj = cfg.cell, self.scratch.empty, bool(cfg.projection_size)
-        hs, cs, saved = reserve.hs[layer], reserve.cs[layer], reserve.saved[layer]
-        lstm = cell.has_cell_state
+        cell, proj = cfg.cell, bool(cfg.projection_size)
+        hs = reserve.hs[layer]
         dgh = b.dgh if cell.split_gate_grads else b.dgx
-        dgx3, dgh3 = b.dgx.reshape(T, N, D * GH), dgh.reshape(T, N, D * GH)
         idx, prev, cols = layer * D + d, PREV[d], slice(d * GH, (d + 1) * GH)
-        w_h = lay.view(params, layer, d, "W_h")
-        w_r = lay.view(params, layer, d, "W_r") if proj else None
         # dh_carry: gradient reaching h_{t-1} directly (GRU's z*dh; inactive steps pass
-        # dh through). The projected path passes inactive steps' dr through below instead.
+        # dh through). The projected path passes inactive steps' dr through instead.
         use_h_carry = not proj and (cell.carry == "h" or opts.lengths is not None)
-        h_carry = b.dh_carry if use_h_carry else empty
-        c_carry = b.dc_carry if lstm else empty
         b.dh_rec[...] = dhy[idx] if dhy is not None else 0
         if use_h_carry:
             b.dh_carry[...] = 0
-        if lstm:
+        if cell.has_cell_state:
             b.dc_carry[...] = dcy[idx] if dcy is not None else 0
-        if self.fused is not None:
-            self._fused_direction_backward(d, w_h, dy, hs, cs, saved, dgx3, dgh3, b, opts,
-                                           zero_carry=not use_h_carry)
-            use_h_carry = True   # the fused loop always returns a direct carry
-        else:
-            self._generic_direction_backward(d, w_h, w_r, dy, hs, cs, saved, dgx3, dgh3, b,
-                                             opts, masks, h_carry, c_carry)
+        carried = self.driver.direction_backward(layer, d, reserve, params, dy, opts, masks,
+                                                 b, use_h_carry)
         g_h0[idx] = b.dh_rec
-        if use_h_carry:
+        if carried:
             g_h0[idx] += b.dh_carry
-        if lstm:
+        if cell.has_cell_state:
             g_c0[idx] = b.dc_carry
         # Weight gradients: one GEMM over all T*N rows per direction.
         xp.matmul(b.dgx[:, cols].T, x2d, out=lay.view(g_params, layer, d, "W_x"))
@@ -367,15 +322,83 @@ class RecurrentOp:
         xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
         xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
 
-    def _generic_direction_backward(self, d, w_h, w_r, dy, hs, cs, saved, dgx3, dgh3, b, opts,
-                                    masks, h_carry, c_carry):
-        """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (numpy's GEMM)."""
-        xp, cfg, R = self.xp, self.config, self.config.recurrent_size
-        cell, empty, proj, lstm = cfg.cell, self.scratch.empty, bool(cfg.projection_size), \
-            cfg.cell.has_cell_state
-        prev, nxt, GH = PREV[d], NEXT[d], cfg.gate_rows
-        cols, inactive = slice(d * GH, (d + 1) * GH), masks[1]
-        for t in reversed(self._steps(d)):
+
+class StepDriver:
+    """Per step: h_{t-1} @ W_h^T by the backend's GEMM, then its pointwise cell kernel
+    (forward_step / backward_step: cpu/cells.py documents them). Serves every config,
+    the projected LSTM included."""
+
+    def __init__(self, op, forward_step, backward_step):
+        self.op, self.forward_step, self.backward_step = op, forward_step, backward_step
+
+    def forward_scratch(self):
+        cfg, N = self.op.config, self.op.N
+        return {"gh": (N, cfg.gate_rows),
+                "hraw": (N, cfg.state_size if cfg.projection_size else 0)}  # one step's h
+
+    def backward_scratch(self):
+        cfg, N = self.op.config, self.op.N
+        return {"dhraw": (N, cfg.state_size if cfg.projection_size else 0)}
+
+    def _tail(self, opts, t):
+        lengths = self.op.no_lengths if opts.lengths is None else opts.lengths
+        return lengths, t, opts.clip_lo, opts.clip_hi, opts.clip_flags
+
+    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved):
+        op = self.op
+        xp, cfg, T, N, s, lay = op.xp, op.config, op.T, op.N, op.scratch, op.layout
+        D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
+        lstm, proj, empty = cfg.cell.has_cell_state, bool(cfg.projection_size), s.empty
+        xproj = s.xproj.reshape(T, N, D * GH)
+        op.project_input(layer, x, params)
+        active, inactive = masks
+        for d in range(D):
+            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
+            w_r = lay.view(params, layer, d, "W_r") if proj else None
+            prev, nxt = PREV[d], NEXT[d]
+            op.initial_state(layer, d, h0, c0, hs, cs)
+            for t in op.steps(d):
+                xp.matmul(hs[d, t + prev], w_h.T, out=s.gh)
+                c_prev = cs[d, t + prev] if lstm else empty
+                c_next = cs[d, t + nxt] if lstm else empty
+                record = saved[d, t] if saved is not None else empty
+                if proj:
+                    # The cell yields h (N, H); the state and output are r = W_r h (N, P).
+                    h = hraw[d, t] if hraw is not None else s.hraw
+                    self.forward_step(xproj[t, :, d * GH:(d + 1) * GH], s.gh, b_x, b_h, empty,
+                                      c_prev, h, c_next, h, record, *self._tail(opts, t))
+                    xp.matmul(h, w_r.T, out=hs[d, t + nxt])
+                    if inactive is not None:
+                        xp.copyto(hs[d, t + nxt], hs[d, t + prev], where=inactive[t])
+                else:
+                    self.forward_step(xproj[t, :, d * GH:(d + 1) * GH], s.gh, b_x, b_h,
+                                      hs[d, t + prev], c_prev, hs[d, t + nxt], c_next,
+                                      y[t, :, d * R:(d + 1) * R], record,
+                                      *self._tail(opts, t))
+            if proj:  # the layer output is the state sequence, zero past each length
+                states = hs[d, nxt:nxt + T]
+                if active is not None:
+                    xp.multiply(states, active, out=y[:, :, d * R:(d + 1) * R])
+                else:
+                    y[:, :, d * R:(d + 1) * R] = states
+
+    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry):
+        """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (the backend's
+        GEMM). Returns whether b.dh_carry holds a part of dh_0."""
+        op = self.op
+        xp, cfg, T, N, lay = op.xp, op.config, op.T, op.N, op.layout
+        D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
+        cell, empty, proj = cfg.cell, op.scratch.empty, bool(cfg.projection_size)
+        lstm, split = cell.has_cell_state, cell.split_gate_grads
+        hs, cs, saved = reserve.hs[layer], reserve.cs[layer], reserve.saved[layer]
+        dgx3 = b.dgx.reshape(T, N, D * GH)
+        dgh3 = (b.dgh if split else b.dgx).reshape(T, N, D * GH)
+        w_h = lay.view(params, layer, d, "W_h")
+        w_r = lay.view(params, layer, d, "W_r") if proj else None
+        h_carry = b.dh_carry if use_h_carry else empty
+        c_carry = b.dc_carry if lstm else empty
+        prev, nxt, cols, inactive = PREV[d], NEXT[d], slice(d * GH, (d + 1) * GH), masks[1]
+        for t in reversed(op.steps(d)):
             c_prev = cs[d, t + prev] if lstm else empty
             c_t = cs[d, t + nxt] if lstm else empty
             if proj:
@@ -383,30 +406,97 @@ class RecurrentOp:
                 xp.matmul(b.dr[t], w_r, out=b.dhraw)
                 self.backward_step(b.dhraw, empty, empty, c_carry, saved[d, t], empty, c_prev,
                                    c_t, dgx3[t, :, cols], empty, empty, c_carry,
-                                   *self._step_tail(opts, t))
+                                   *self._tail(opts, t))
                 xp.matmul(dgx3[t, :, cols], w_h, out=b.dh_rec)
                 if inactive is not None:
                     xp.copyto(b.dh_rec, b.dr[t], where=inactive[t])
             else:
                 self.backward_step(dy[t, :, d * R:(d + 1) * R], b.dh_rec, h_carry, c_carry,
                                    saved[d, t], hs[d, t + prev], c_prev, c_t, dgx3[t, :, cols],
-                                   dgh3[t, :, cols] if cell.split_gate_grads else empty,
-                                   h_carry, c_carry, *self._step_tail(opts, t))
+                                   dgh3[t, :, cols] if split else empty,
+                                   h_carry, c_carry, *self._tail(opts, t))
                 xp.matmul(dgh3[t, :, cols], w_h, out=b.dh_rec)
+        return use_h_carry
 
-    def _fused_direction_backward(self, d, w_h, dy, hs, cs, saved, dgx3, dgh3, b, opts,
-                                  zero_carry):
-        """The backend's whole-direction backward loop (cpu/fused.py), then the last
-        dh_rec = dg @ W_h of the direction's first step."""
-        xp, T, N, GH = self.xp, self.T, self.N, self.config.gate_rows
-        if zero_carry:
+
+class FusedDriver:
+    """Each layer direction in one call of the backend's FusedLayer; at T=1 its
+    single-step form where it has one (cpu/fused.py: why)."""
+
+    def __init__(self, op, layer):
+        self.op, self.layer = op, layer
+        self.single = op.T == 1 and layer.fuses_single_step
+        self._no_record = op.xp.empty((0, 0, 0, 0), dtype=op.dtype)   # inference: no record
+        self._names = self._backward_names = ()
+        self._scratch = self._all_scratch = None   # namespaces of the layer's own arrays
+
+    def forward_scratch(self):
+        shapes = self.layer.forward_scratch(self.op.config, self.op.T, self.op.N)
+        self._names = tuple(shapes)
+        return shapes
+
+    def backward_scratch(self):
+        shapes = self.layer.backward_scratch(self.op.config, self.op.N)
+        self._backward_names = tuple(shapes)
+        return shapes
+
+    def _forward_views(self):
+        if self._scratch is None:
+            self._scratch = SimpleNamespace(
+                **{name: getattr(self.op.scratch, name) for name in self._names})
+        return self._scratch
+
+    def _backward_views(self, b):
+        if self._all_scratch is None:
+            self._all_scratch = SimpleNamespace(
+                **vars(self._forward_views()),
+                **{name: getattr(b, name) for name in self._backward_names})
+        return self._all_scratch
+
+    def _tail(self, opts):
+        lengths = self.op.no_lengths if opts.lengths is None else opts.lengths
+        return lengths, opts.clip_lo, opts.clip_hi, opts.clip_flags
+
+    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved):
+        op, fused = self.op, self.layer
+        cfg, T, N, lay = op.config, op.T, op.N, op.layout
+        D, GH = cfg.directions, cfg.gate_rows
+        record = saved if saved is not None else self._no_record
+        scratch = self._forward_views()
+        if not self.single:   # the T=1 form projects its input itself
+            if fused.projects_input:   # its own GEMM (cpu/lowlevel: why)
+                w_xs = [lay.view(params, layer, d, "W_x") for d in range(D)]
+                fused.project(x.reshape(T * N, -1), w_xs, op.scratch.xproj, scratch)
+            else:
+                op.project_input(layer, x, params)
+        xproj = op.scratch.xproj.reshape(T, N, D * GH)
+        for d in range(D):
+            op.initial_state(layer, d, h0, c0, hs, cs)
+            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
+            if self.single:
+                fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
+                                     w_h, b_x, b_h, hs, cs, y, record, scratch,
+                                     *self._tail(opts))
+            else:
+                fused.forward(xproj, d, w_h, b_x, b_h, hs, cs, y, record, scratch,
+                              *self._tail(opts))
+
+    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry):
+        """The layer's backward loop, then the last dh_rec = dg @ W_h of the direction's
+        first step. The loop always leaves a direct carry in b.dh_carry."""
+        op = self.op
+        xp, cfg, T, N = op.xp, op.config, op.T, op.N
+        D, GH, split = cfg.directions, cfg.gate_rows, cfg.cell.split_gate_grads
+        w_h = op.layout.view(params, layer, d, "W_h")
+        dgx3 = b.dgx.reshape(T, N, D * GH)
+        dgh3 = b.dgh.reshape(T, N, D * GH if split else 0)
+        if not use_h_carry:
             b.dh_carry[...] = 0
-        w_h_rows = self.fused.pack_rows(w_h, b.wpack_rows)
-        split = self.config.cell.split_gate_grads
-        self.fused.backward(xp.ascontiguousarray(dy), d, w_h_rows, hs, cs, saved, dgx3,
-                            dgh3 if split else b.dgh.reshape(T, N, 0), b.dh_rec, b.dh_carry,
-                            b.dc_carry, self.scratch.tiles,
-                            self.no_lengths if opts.lengths is None else opts.lengths,
-                            opts.clip_lo, opts.clip_hi, opts.clip_flags)
+        self.layer.backward(xp.ascontiguousarray(dy), d, w_h, reserve.hs[layer],
+                            reserve.cs[layer], reserve.saved[layer], dgx3, dgh3, b.dh_rec,
+                            b.dh_carry, b.dc_carry, self._backward_views(b),
+                            *self._tail(opts))
         first = 0 if d == 0 else T - 1
-        xp.matmul(dgh3[first, :, d * GH:(d + 1) * GH], w_h, out=b.dh_rec)
+        xp.matmul((dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH], w_h,
+                  out=b.dh_rec)
+        return True

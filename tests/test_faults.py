@@ -39,8 +39,7 @@ def fault(monkeypatch):
         if layer is None:
             return None
         return SimpleNamespace(forward_scratch=layer.forward_scratch,
-                               backward_scratch=layer.backward_scratch, pack=layer.pack,
-                               pack_rows=layer.pack_rows, project=layer.project,
+                               backward_scratch=layer.backward_scratch, project=layer.project,
                                projects_input=layer.projects_input,
                                fuses_single_step=layer.fuses_single_step,
                                forward=wrap(layer.forward),

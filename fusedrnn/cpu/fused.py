@@ -396,24 +396,18 @@ def _workshare(steps, blocks):
 
 
 class FusedLayer:
-    """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK."""
+    """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK: the
+    recurrence's FusedLayer protocol, with its InputProjection and SingleStep forms.
+    Each call packs W_h into the op's scratch (pack_recurrent's layout) itself."""
 
     fuses_single_step = True   # forward_single() serves T=1
 
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
-        # Whether project() replaces the driver's input GEMM: in float32, yes (gemm.py
-        # says why). In float64 with 256-bit tiles, no: numpy's dgemm won even with its
-        # threads left spinning against the loop (AVX2 machine, T=300 N=20 I=H=800,
-        # median of 7 interleaved, ours against numpy's: rnn_relu 452 / 392 ms, GRU
-        # 1333 / 1057, LSTM 1833 / 1488, LSTM training 4186 / 3781). With 512-bit tiles
-        # (microkernel.VECTOR_BITS), yes: alone ours runs level with dgemm at C=800 (92.9
-        # / 92.5 GFLOP/s) and 6-10% behind at C=3200, and the loop no longer competes with
-        # spinning threads. Zen 4, 2-3 alternating process pairs, numpy's then ours:
-        # rnn_relu inference 242/257/264 -> 179/204/196 ms, GRU 621/595 -> 558/556, LSTM
-        # 795/793/797 -> 820/756/738, rnn_tanh training 657/607 -> 557/555, LSTM training
-        # 2224/2202 -> 2161/2250 (with ROWS[float64] = 6).
+        # project() replaces the driver's BLAS input GEMM in float32 (gemm.py says why),
+        # and in float64 where the tiles are 512 bits wide; with 256-bit tiles numpy's
+        # dgemm was faster. Measured: bench/results/cpu-kernel-notes.md#input-projection
         self.projects_input = self.dtype == np.float32 or microkernel.VECTOR_BITS == 512
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
@@ -424,9 +418,6 @@ class FusedLayer:
         self._no_wpack = np.empty((0, 0, 0, 0), self.dtype)
         self._backward = _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved,
                                               self.dtype)
-
-    def pack(self, w_h, out):
-        return pack_recurrent(w_h, self.gates, out)
 
     def forward_scratch(self, config, steps, batch):
         """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
@@ -451,22 +442,27 @@ class FusedLayer:
 
     @staticmethod
     def backward_scratch(config, batch):
+        """W_h packed by rows (pack_recurrent_rows); backward also uses forward's tiles."""
         return {"wpack_rows": (panels(config.recurrent_size), config.gate_rows, PANEL)}
 
-    def project(self, x2d, w_xs, pack_scratch, out, spill):
+    def project(self, x2d, w_xs, out, scratch):
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
-        (gemm.py says why not numpy's). pack_scratch, spill: project_shapes()'s."""
+        (gemm.py says why not numpy's); scratch.wx_panels and .spill as carved."""
         K = x2d.shape[1]
-        wpack = pack_scratch[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
+        wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
         pack_input_weights(w_xs, wpack)
-        project(np.ascontiguousarray(x2d), wpack, out, spill)
+        project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
 
-    def forward(self, xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+    def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                 clip_lo, clip_hi, clip_flags):
+        """layer_forward (module docstring) for direction d, W_h (G*H, H) packed first
+        into scratch.wpack; scratch.tiles as carved for T > 1."""
+        wpack, tiles = scratch.wpack, scratch.tiles
         if wpack.shape[0] != tiles.shape[0] or wpack.shape[0] != panels(hs.shape[3]):
             raise ValueError(f"FusedLayer.forward: wpack {wpack.shape} and tiles "
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
+        pack_recurrent(w_h, self.gates, wpack)
         scalar = self.dtype.type
         share = _workshare(hs.shape[1] - 1, wpack.shape[0])
         with LAUNCH_LOCK:
@@ -475,44 +471,37 @@ class FusedLayer:
                           self._no_weights, self._no_weights, self._no_panels,
                           self._no_panels, *share)
 
-    def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, tiles, x_cols,
-                       h_cols, lengths, clip_lo, clip_hi, clip_flags):
+    def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
+                       clip_lo, clip_hi, clip_flags):
         """A whole T=1 layer-direction in one parallel region, with the weights used in
         place: each block of 16 units multiplies its rows of W_x and W_h by x and h_0
         (packed as 16-sample columns first) and runs the cell. Why: at T=1 each weight
         is used once, so forward()'s path (pack W_x, project, pack W_h, step: four
-        region launches, the weights copied twice) costs more than the products.
-        Measured on the 2-core machine, back-to-back calls, median of 200 interleaved
-        with the four-pass path (kernels only, no Python around them):
-            GRU  N=64  I=H=512 float32   3.30 -> 2.35 ms  (float64 13.3 -> 5.5 ms)
-            LSTM N=64  I=H=512 float32   4.53 -> 3.20 ms
-            LSTM N=20  I=H=800 float32   6.67 -> 3.77 ms
-            GRU  N=1   I=H=512 float32   1.07 -> 0.59 ms;  N=256: 11.4 -> 9.5 ms
+        region launches, the weights copied twice) costs more than the products
+        (measured: bench/results/cpu-kernel-notes.md#single-step-form).
             x2d     (N, K)            in   the layer input of the one step
             w_x     (G*H, K), w_h (G*H, H)   in   this direction's weights, C-contiguous
-            tiles   (B, ceil(N/16)*16, 256)  scratch (forward_scratch's, T=1)
-            x_cols  flat, >= ceil(N/16)*K*16;  h_cols (ceil(N/16), H, 16)   scratch
+            scratch.tiles   (B, ceil(N/16)*16, 256)   forward_scratch's, T=1
+            scratch.x_cols  flat, >= ceil(N/16)*K*16;  scratch.h_cols (ceil(N/16), H, 16)
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
         scalar = self.dtype.type
-        K = x2d.shape[1]
+        K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
         share = _workshare(1, tiles.shape[0])
         with LAUNCH_LOCK:
             self._forward_single(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved,
                                  tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags,
                                  np.ascontiguousarray(x2d), np.ascontiguousarray(w_x),
                                  np.ascontiguousarray(w_h),
-                                 x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
+                                 scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K,
+                                                                                      PANEL),
                                  h_cols, *share)
 
-    def pack_rows(self, w_h, out):
-        return pack_recurrent_rows(w_h, out)
-
-    def backward(self, dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                 dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags):
+    def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
+                 scratch, lengths, clip_lo, clip_hi, clip_flags):
         """One direction's backward recurrence (the layer's weight gradients are GEMMs
         the caller runs over all steps afterwards).
             dy          (T, N, D*H)     in   gradient of the layer output
-            wpack_rows  (B, G*H, 16)    in   W_h packed by pack_recurrent_rows
+            w_h         (G*H, H)        in   packed first into scratch.wpack_rows
             hs, cs, saved                in   the training forward's record (layer_forward)
             dgx         (T, N, D*G*H)   out  d(pre-activation), this direction's columns
             dgh         (T, N, D*G*H)   out  the recurrent side where it differs (GRU);
@@ -521,14 +510,15 @@ class FusedLayer:
             dh_carry    (N, H)          in/out  must be 0 on entry; on exit the part of
                                              dh_0 that bypasses W_h
             dc_carry    (N, H)          in/out  dcy on entry, dc_0 on exit; (N, 0) else
-            tiles       (B, N, 256)     scratch
+            scratch     .tiles (B, N, 256) and .wpack_rows, as carved
         On exit dh_0 = dg_first @ W_h + dh_carry, where dg_first is dgh (or dgx) at the
         direction's first step; the caller runs that last GEMM."""
+        wpack_rows = pack_recurrent_rows(w_h, scratch.wpack_rows)
         scalar = self.dtype.type
         share = _workshare(dy.shape[0], wpack_rows.shape[0])
         with LAUNCH_LOCK:
             self._backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                           dc_carry, tiles, lengths, scalar(clip_lo), scalar(clip_hi),
+                           dc_carry, scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi),
                            clip_flags, *share)
 
 

@@ -136,9 +136,12 @@ def backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_
 
 
 class PersistentLayer:
-    """The driver's fused-layer interface (as fusedrnn/cpu/fused.py's FusedLayer) over the
-    persistent kernels: the input projection stays the driver's one GEMM per layer, W_h is
-    read in place (each block stages its own slice), and each direction is one launch."""
+    """The recurrence's FusedLayer protocol over the persistent kernels: the input
+    projection stays the driver's one GEMM per layer (cuBLAS), W_h is read in place (each
+    block stages its own slice), and each direction is one launch."""
+
+    projects_input = False
+    fuses_single_step = False
 
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
@@ -149,24 +152,15 @@ class PersistentLayer:
         streams could be reset under a kernel still spinning on it (a hang)."""
         return self.xp.zeros(1, dtype=np.uint64)
 
-    projects_input = False   # the driver's input GEMM (cuBLAS) serves
-    fuses_single_step = False
-
     @staticmethod
     def forward_scratch(config, steps, batch):
-        return {"wpack": (0,), "tiles": (2, config.gate_rows, batch)}   # tiles: the exchange
+        return {}
 
     @staticmethod
     def backward_scratch(config, batch):
-        return {"wpack_rows": (0,)}
+        return {"exchange": (2, config.gate_rows, batch)}   # the gate-gradient exchange
 
-    @staticmethod
-    def pack(w_h, out):
-        return w_h
-
-    pack_rows = pack
-
-    def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, tiles, lengths, clip_lo,
+    def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
                 clip_hi, clip_flags):
         args = forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs, y, saved,
                             lengths, clip_lo, clip_hi, clip_flags)
@@ -174,10 +168,10 @@ class PersistentLayer:
                              (self._barrier(), *args), self.plan.forward_smem)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
-                 tiles, lengths, clip_lo, clip_hi, clip_flags):
+                 scratch, lengths, clip_lo, clip_hi, clip_flags):
         args = backward_args(self.gates, self.plan, dy, d, w_h, hs, cs, saved, dgx, dgh,
-                             dh_rec0, dh_carry, dc_carry, tiles, lengths, clip_lo, clip_hi,
-                             clip_flags)
+                             dh_rec0, dh_carry, dc_carry, scratch.exchange, lengths, clip_lo,
+                             clip_hi, clip_flags)
         self._launch_backward((self.plan.blocks,), (self.plan.threads,),
                               (self._barrier(), *args), self.plan.backward_smem)
 

@@ -11,6 +11,8 @@
 (d) The T=1 form (FusedLayer.forward_single) as (a) and (b): through the op against the
     generic path, and called directly on poisoned buffers against the reference cell.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -176,8 +178,8 @@ def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, 
     tiles = np.full((panels(H), N, TILE_GROUPS * PANEL), np.nan, dtype)
     steps = LENGTHS[:N] if lengths else np.empty(0, np.int64)
 
-    layer.pack(w_h, wpack)
-    layer.forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, steps, 0.0, 0.0, 0)
+    layer.forward(xproj, d, w_h, bx, bh, hs, cs, y, saved,
+                  SimpleNamespace(wpack=wpack, tiles=tiles), steps, 0.0, 0.0, 0)
 
     want_hs, want_cs, want_y = _expected_direction(
         mode, d, xproj.astype(np.float64), w_h.astype(np.float64), bx.astype(np.float64),
@@ -327,9 +329,8 @@ def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, recor
         guards.append(flat[at + size:at + size + guard])
         at += size + guard
 
-    layer.forward_single(x, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch["tiles"],
-                         scratch["x_cols"], scratch["h_cols"], np.empty(0, np.int64),
-                         0.0, 0.0, 0)
+    layer.forward_single(x, d, w_x, w_h, bx, bh, hs, cs, y, saved, SimpleNamespace(**scratch),
+                         np.empty(0, np.int64), 0.0, 0.0, 0)
 
     f64 = [a.astype(np.float64) for a in (x, w_x, w_h, bx, bh, h0, c0)]
     want_h, want_c = zip(*(reference_cell(mode, f64[0][n], f64[5][n], f64[6][n], *f64[1:5])
