@@ -13,11 +13,11 @@ import pytest
 import fusedrnn
 from conftest import CELLS, MODES
 from fusedrnn.cpu import units
-from fusedrnn.gpu import kernels, persistent
+from fusedrnn.gpu import build, kernels, persistent
 from reference import GATES, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_SOURCE = kernels.SOURCE_PATH.read_text()
+CUDA_SOURCE = kernels.STEP_KERNELS.source()
 
 
 def test_modes_are_the_tables():
@@ -37,9 +37,10 @@ def test_cuda_source_declares_the_cell(mode):
     # `struct Name {` or `typedef ... Name;` in namespace fusedrnn
     assert re.search(rf"\bstruct {name}\b|\btypedef [^;]*\b{name};", CUDA_SOURCE), name
     qualified = f"fusedrnn::{name}"
-    assert kernels.CELL_TYPES[mode] == qualified
-    for names in (kernels.all_kernel_names(), persistent.all_kernel_names()):
-        assert sum(qualified + "," in n for n in names) == 2 * len(kernels.C_TYPES)
+    assert build.CELL_TYPES[mode] == qualified
+    for family in (kernels.STEP_KERNELS, persistent.PERSISTENT_KERNELS):
+        names = family.all_kernel_names()
+        assert sum(qualified + "," in n for n in names) == 2 * len(build.C_TYPES)
 
 
 @pytest.mark.parametrize("mode", MODES)

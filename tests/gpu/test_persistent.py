@@ -114,6 +114,6 @@ def test_persistent_is_on_unless_turned_off(monkeypatch):
 
 
 def test_kernel_names_cover_every_mode_and_dtype():
-    names = persistent.all_kernel_names()
+    names = persistent.PERSISTENT_KERNELS.all_kernel_names()
     assert len(set(names)) == 16
     assert "fusedrnn::persistent_backward<fusedrnn::GruCell, double>" in names
