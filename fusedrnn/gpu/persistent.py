@@ -11,16 +11,10 @@ backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn, 
 ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else the
 per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
 turns the persistent kernels off.
-Measurement behind it (H100 80GB HBM3, 2026-11-23, `bash bench/gpu_session.sh
-bench-quick`: the same --quick run with FUSEDRNN_GPU_PERSISTENT=0 and =1; numbers in
-bench/results/gpu.md): wherever the plan fit, the persistent kernels beat the per-step
-path. float32 T=50 N=20 I=H=256: inference 3.2-3.6x (one layer) and 3.9-4.7x (2 layers
-bidirectional), training 2.5-4.7x and 3.0-6.0x; float64 T=20 N=20 H=128: 2.7-3.7x; LSTM
-inference T=20 at N=1, 16, 64, 128: 3.0x, 3.5x, 2.0x, 2.0x; the 2-layer GRU encoder
-(N=64 H=512): 2.0x. Only the decoder step (T=1 N=64 H=512, one step: nothing stays on
-chip between steps) is level: GRU 383 vs 357 us per call, LSTM 394 vs 410. The
-full-size runs agree (bench/results/gpu.md: 1.2-8.5x, the decoder step least). Where
-the plan does not fit (large N*H) the per-step GEMM path is what remains.
+Why: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
+barrier per step instead of a GEMM and a kernel launch; on an H100 it beat the per-step
+path wherever the plan fit, the one-step decoder (nothing to keep between steps) level.
+The measurement: bench/results/gpu.md, "Persistent where it fits: the measurement".
 """
 from __future__ import annotations
 
