@@ -133,9 +133,9 @@ def test_no_per_mode_dispatch_outside_the_table():
 
 
 def test_kernel_sources_name_no_cell_outside_the_table():
-    # kernels.py / persistent.py derive their instantiations, the host harness gets them
-    # with -D from host_backend.py: none of them spells a cell struct.
-    for rel in ("fusedrnn/gpu/kernels.py", "fusedrnn/gpu/persistent.py",
+    # build.py derives the instantiations kernels.py / persistent.py declare, the host
+    # harness gets them with -D from host_backend.py: none of them spells a cell struct.
+    for rel in ("fusedrnn/gpu/build.py", "fusedrnn/gpu/kernels.py", "fusedrnn/gpu/persistent.py",
                 "tests/gpu/host_harness.cpp", "tests/gpu/host_backend.py"):
         text = (ROOT / rel).read_text()
         named = [c.cuda_cell for c in CELLS.values() if re.search(rf"\b{c.cuda_cell}\b", text)]
