@@ -24,9 +24,7 @@ PHASES = ("staging", "tasks", "barrier")
 
 
 def instrumented_module():
-    return cupy.RawModule(code=persistent.source(),
-                          options=("--std=c++14", "-DFUSEDRNN_PHASE_CLOCKS"),
-                          name_expressions=persistent.all_kernel_names())
+    return persistent.PERSISTENT_KERNELS.compile(cupy, "-DFUSEDRNN_PHASE_CLOCKS")
 
 
 def clocks(module):
@@ -57,7 +55,7 @@ def main():
     args = parser.parse_args()
     T, N, H = args.T, args.N, args.H
     module = instrumented_module()
-    persistent._module = module          # the op's launchers now come from this build
+    persistent.PERSISTENT_KERNELS._module = module   # the op's launchers now come from this build
     counter = clocks(module)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     # cudaDeviceProp.clockRate is gone in CUDA 13; the attribute (13) remains.

@@ -13,11 +13,11 @@ import pytest
 import fusedrnn
 from conftest import CELLS, MODES
 from fusedrnn.cpu import units
-from fusedrnn.gpu import kernels, persistent
+from fusedrnn.gpu import build, kernels, persistent
 from reference import GATES, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_SOURCE = kernels.SOURCE_PATH.read_text()
+CUDA_SOURCE = kernels.STEP_KERNELS.source()
 
 
 def test_modes_are_the_tables():
@@ -37,9 +37,10 @@ def test_cuda_source_declares_the_cell(mode):
     # `struct Name {` or `typedef ... Name;` in namespace fusedrnn
     assert re.search(rf"\bstruct {name}\b|\btypedef [^;]*\b{name};", CUDA_SOURCE), name
     qualified = f"fusedrnn::{name}"
-    assert kernels.CELL_TYPES[mode] == qualified
-    for names in (kernels.all_kernel_names(), persistent.all_kernel_names()):
-        assert sum(qualified + "," in n for n in names) == 2 * len(kernels.C_TYPES)
+    assert build.CELL_TYPES[mode] == qualified
+    for family in (kernels.STEP_KERNELS, persistent.PERSISTENT_KERNELS):
+        names = family.all_kernel_names()
+        assert sum(qualified + "," in n for n in names) == 2 * len(build.C_TYPES)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -132,9 +133,9 @@ def test_no_per_mode_dispatch_outside_the_table():
 
 
 def test_kernel_sources_name_no_cell_outside_the_table():
-    # kernels.py / persistent.py derive their instantiations, the host harness gets them
-    # with -D from host_backend.py: none of them spells a cell struct.
-    for rel in ("fusedrnn/gpu/kernels.py", "fusedrnn/gpu/persistent.py",
+    # build.py derives the instantiations kernels.py / persistent.py declare, the host
+    # harness gets them with -D from host_backend.py: none of them spells a cell struct.
+    for rel in ("fusedrnn/gpu/build.py", "fusedrnn/gpu/kernels.py", "fusedrnn/gpu/persistent.py",
                 "tests/gpu/host_harness.cpp", "tests/gpu/host_backend.py"):
         text = (ROOT / rel).read_text()
         named = [c.cuda_cell for c in CELLS.values() if re.search(rf"\b{c.cuda_cell}\b", text)]

@@ -23,9 +23,8 @@ class GpuBackend:
         return cupy_cell_kernels(self.xp, mode, dtype)
 
     def fused_layer(self, config, dtype, batch):
-        """The persistent kernels where they fit on chip (persistent.py: the rule and
-        its measurement; FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the
-        per-step path."""
+        """The persistent kernels where they fit on chip (persistent.py: the rule;
+        FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the per-step path."""
         return cupy_persistent_layer(self.xp, config, dtype, batch)
 
     def is_array(self, value):

@@ -1,37 +1,23 @@
-"""The GPU cell kernels' host side: names, argument packing, grid size, launch.
+"""The per-step cell kernels' host side: argument packing, grid size, launch.
 
-cells.cuh holds the CUDA source (one template per cell, instantiated per dtype). This
-module needs no CuPy: packing and launching take a `launcher`, which for the real
-backend is a CuPy RawKernel, and in tests/gpu a host build of the same source.
+cells.cuh holds the CUDA source (one template per cell, instantiated per dtype; build.py
+names and compiles the instantiations). This module needs no CuPy: packing and launching
+take a `launcher`, which for the real backend is a CuPy RawKernel, and in tests/gpu a
+host build of the same source.
 """
 from __future__ import annotations
-
-import threading
-from pathlib import Path
 
 import numpy as np
 
 from ..config import CELLS
+from .build import KernelFamily
 
-__all__ = ["SOURCE_PATH", "CELL_TYPES", "kernel_names", "all_kernel_names", "grid_size",
-           "forward_args", "backward_args", "CellKernels", "cupy_cell_kernels"]
+__all__ = ["STEP_KERNELS", "grid_size", "step_forward_args", "step_backward_args",
+           "CellKernels", "cupy_cell_kernels"]
 
-SOURCE_PATH = Path(__file__).with_name("cells.cuh")
-# Every mode of the table is instantiated: its struct in cells.cuh is named by the table.
-CELL_TYPES = {mode: f"fusedrnn::{cell.cuda_cell}" for mode, cell in CELLS.items()}
-C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+STEP_KERNELS = KernelFamily("cells.cuh", "forward_step", "backward_step")
 THREADS = 256          # per block; the pointwise step is memory-bound, any multiple of 32 does
 MAX_BLOCKS = 2 ** 31 - 1
-
-
-def kernel_names(mode, dtype):
-    """C++ names of (forward_step, backward_step) for one cell and dtype."""
-    args = f"{CELL_TYPES[mode]}, {C_TYPES[np.dtype(dtype)]}"
-    return f"fusedrnn::forward_step<{args}>", f"fusedrnn::backward_step<{args}>"
-
-
-def all_kernel_names():
-    return [name for mode in CELL_TYPES for dtype in C_TYPES for name in kernel_names(mode, dtype)]
 
 
 def grid_size(elements, threads=THREADS):
@@ -54,8 +40,8 @@ def _step(lengths, t, clip_lo, clip_hi, clip_flags, N, H):
             np.float64(clip_hi), np.int64(clip_flags), np.int64(N), np.int64(H))
 
 
-def forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved, lengths, t,
-                 clip_lo, clip_hi, clip_flags):
+def step_forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved, lengths,
+                      t, clip_lo, clip_hi, clip_flags):
     """The forward_step argument list (see cells.cuh), and N*H."""
     N, H = h_next.shape
     args = (*_matrix(gx), *_matrix(gh), bx, bh, *_matrix(h_prev), *_matrix(c_prev),
@@ -64,9 +50,9 @@ def forward_args(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved, lengt
     return args, N * H
 
 
-def backward_args(gates, dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t,
-                  dgx, dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi,
-                  clip_flags):
+def step_backward_args(gates, dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev,
+                       c_t, dgx, dgh, dh_carry_out, dc_carry_out, lengths, t, clip_lo,
+                       clip_hi, clip_flags):
     """The backward_step argument list (see cells.cuh), and N*H."""
     N, H = dgx.shape[0], dgx.shape[1] // gates
     args = (*_matrix(dy), *_matrix(dh_rec), *_matrix(dh_carry_in), *_matrix(dc_carry_in),
@@ -85,32 +71,15 @@ class CellKernels:
         self._launch_forward, self._launch_backward = launch_forward, launch_backward
 
     def forward_step(self, *arrays):
-        args, n = forward_args(*arrays)
+        args, n = step_forward_args(*arrays)
         self._launch_forward((grid_size(n),), (THREADS,), args)
 
     def backward_step(self, *arrays):
-        args, n = backward_args(self._gates, *arrays)
+        args, n = step_backward_args(self._gates, *arrays)
         self._launch_backward((grid_size(n),), (THREADS,), args)
-
-
-_module = None
-_module_lock = threading.Lock()
-
-
-def _cupy_module(cupy):
-    """All instantiations compiled once per process by NVRTC (CuPy caches the binary on
-    disk too, and loads it per device on first use)."""
-    global _module
-    with _module_lock:
-        if _module is None:
-            _module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=("--std=c++14",),
-                                     name_expressions=all_kernel_names())
-        return _module
 
 
 def cupy_cell_kernels(cupy, mode, dtype):
     """(forward_step, backward_step) launching on CuPy's current stream."""
-    module = _cupy_module(cupy)
-    forward, backward = (module.get_function(name) for name in kernel_names(mode, dtype))
-    kernels = CellKernels(mode, forward, backward)
+    kernels = CellKernels(mode, *STEP_KERNELS.cupy_functions(cupy, mode, dtype))
     return kernels.forward_step, kernels.backward_step

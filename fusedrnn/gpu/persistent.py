@@ -11,35 +11,30 @@ backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn, 
 ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else the
 per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
 turns the persistent kernels off.
-Measurement behind it (H100 80GB HBM3, 2026-11-23, `bash bench/gpu_session.sh
-bench-quick`: the same --quick run with FUSEDRNN_GPU_PERSISTENT=0 and =1; numbers in
-bench/results/gpu.md): wherever the plan fit, the persistent kernels beat the per-step
-path. float32 T=50 N=20 I=H=256: inference 3.2-3.6x (one layer) and 3.9-4.7x (2 layers
-bidirectional), training 2.5-4.7x and 3.0-6.0x; float64 T=20 N=20 H=128: 2.7-3.7x; LSTM
-inference T=20 at N=1, 16, 64, 128: 3.0x, 3.5x, 2.0x, 2.0x; the 2-layer GRU encoder
-(N=64 H=512): 2.0x. Only the decoder step (T=1 N=64 H=512, one step: nothing stays on
-chip between steps) is level: GRU 383 vs 357 us per call, LSTM 394 vs 410. The
-full-size runs agree (bench/results/gpu.md: 1.2-8.5x, the decoder step least). Where
-the plan does not fit (large N*H) the per-step GEMM path is what remains.
+Why: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
+barrier per step instead of a GEMM and a kernel launch; on an H100 it beat the per-step
+path wherever the plan fit, the one-step decoder (nothing to keep between steps) level.
+The measurement: bench/results/gpu.md, "Persistent where it fits: the measurement".
 """
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..config import CELLS
-from .kernels import C_TYPES, CELL_TYPES
+from .build import KernelFamily
 
-__all__ = ["SOURCE_PATH", "source", "MAX_THREADS", "DeviceLimits", "PersistentPlan", "persistent_plan",
-           "persistent_enabled", "kernel_names", "all_kernel_names", "forward_args",
-           "backward_args", "PersistentLayer", "cupy_persistent_layer"]
+__all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "DeviceLimits", "PersistentPlan",
+           "persistent_plan", "persistent_enabled", "persistent_forward_args",
+           "persistent_backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
-SOURCE_PATH = Path(__file__).with_name("persistent.cuh")
+# Not built with CuPy's enable_cooperative_groups, which adds relocatable code and links
+# libcudadevrt from a CUDA toolkit a pip install may lack: the kernels use no
+# cooperative_groups API, only a cooperative launch (_cupy_launcher).
+PERSISTENT_KERNELS = KernelFamily("persistent.cuh", "persistent_forward", "persistent_backward")
 MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
 MIN_THREADS = 256
 MAX_CHUNK = 512
@@ -92,25 +87,14 @@ def persistent_enabled():
     return os.environ.get(ENV, "1") != "0"
 
 
-def kernel_names(mode, dtype):
-    """C++ names of (persistent_forward, persistent_backward) for one cell and dtype."""
-    args = f"{CELL_TYPES[mode]}, {C_TYPES[np.dtype(dtype)]}"
-    return (f"fusedrnn::persistent_forward<{args}>",
-            f"fusedrnn::persistent_backward<{args}>")
-
-
-def all_kernel_names():
-    return [name for mode in CELL_TYPES for dtype in C_TYPES for name in kernel_names(mode, dtype)]
-
-
 def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d, has_cell):
     i = np.int64
     return (lengths, i(lengths.size), np.float64(clip_lo), np.float64(clip_hi), i(clip_flags),
             i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell))
 
 
-def forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths, clip_lo,
-                 clip_hi, clip_flags):
+def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths,
+                            clip_lo, clip_hi, clip_flags):
     """persistent_forward's argument list for direction d, from FusedLayer.forward's
     arrays (fusedrnn/cpu/fused.py documents them; w_h is the (G*H, H) weight itself)."""
     T, N, H = xproj.shape[0], xproj.shape[1], hs.shape[3]
@@ -122,8 +106,9 @@ def forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths, 
             *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
 
 
-def backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                  dc_carry, exchange, lengths, clip_lo, clip_hi, clip_flags):
+def persistent_backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0,
+                             dh_carry, dc_carry, exchange, lengths, clip_lo, clip_hi,
+                             clip_flags):
     """persistent_backward's argument list for direction d (FusedLayer.backward's arrays;
     exchange (2, G*H, N) scratch)."""
     T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
@@ -162,41 +147,18 @@ class PersistentLayer:
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
                 clip_hi, clip_flags):
-        args = forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs, y, saved,
-                            lengths, clip_lo, clip_hi, clip_flags)
+        args = persistent_forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs,
+                                       y, saved, lengths, clip_lo, clip_hi, clip_flags)
         self._launch_forward((self.plan.blocks,), (self.plan.threads,),
                              (self._barrier(), *args), self.plan.forward_smem)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
-        args = backward_args(self.gates, self.plan, dy, d, w_h, hs, cs, saved, dgx, dgh,
-                             dh_rec0, dh_carry, dc_carry, scratch.exchange, lengths, clip_lo,
-                             clip_hi, clip_flags)
+        args = persistent_backward_args(self.gates, self.plan, dy, d, w_h, hs, cs, saved, dgx,
+                                        dgh, dh_rec0, dh_carry, dc_carry, scratch.exchange,
+                                        lengths, clip_lo, clip_hi, clip_flags)
         self._launch_backward((self.plan.blocks,), (self.plan.threads,),
                               (self._barrier(), *args), self.plan.backward_smem)
-
-
-def source():
-    """persistent.cuh with cells.cuh in place of its #include: CuPy keys its disk cache
-    on the source text it is given, so a change to either file must change that text."""
-    cells = SOURCE_PATH.with_name("cells.cuh").read_text()
-    return SOURCE_PATH.read_text().replace('#include "cells.cuh"', cells, 1)
-
-
-_module = None
-_module_lock = threading.Lock()
-
-
-def _cupy_module(cupy):
-    """Compiled once per process. Not with CuPy's enable_cooperative_groups, which adds
-    relocatable code and links libcudadevrt from a CUDA toolkit a pip install may lack:
-    the kernels use no cooperative_groups API, only a cooperative launch (below)."""
-    global _module
-    with _module_lock:
-        if _module is None:
-            _module = cupy.RawModule(code=source(), options=("--std=c++14",),
-                                     name_expressions=all_kernel_names())
-        return _module
 
 
 def _cupy_launcher(cupy, function, plan, shared_mem, sm_count):
@@ -226,8 +188,7 @@ def cupy_persistent_layer(cupy, config, dtype, batch):
     if plan is None:
         return None
     try:
-        forward, backward = (_cupy_module(cupy).get_function(name)
-                             for name in kernel_names(config.mode, dtype))
+        forward, backward = PERSISTENT_KERNELS.cupy_functions(cupy, config.mode, dtype)
         launch_forward = _cupy_launcher(cupy, forward, plan, plan.forward_smem, limits.sm_count)
         launch_backward = _cupy_launcher(cupy, backward, plan, plan.backward_smem,
                                          limits.sm_count)

@@ -14,7 +14,7 @@ import pytest
 from conftest import POISONED_NUMPY
 from fusedrnn.config import CELLS, CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
-from fusedrnn.gpu import kernels, persistent
+from fusedrnn.gpu import build, kernels, persistent
 from fusedrnn.recurrence import RecurrentOp
 
 
@@ -29,7 +29,7 @@ def build_harness(tmp_dir):
     # The harness instantiates its entries from this X-macro list: the modes of the table.
     cells = " ".join(f"X({mode}, {cell.cuda_cell})" for mode, cell in CELLS.items())
     subprocess.run([cxx, "-O1", "-std=c++14", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-                    f"-DFUSEDRNN_HOST_CELLS(X)={cells}", "-I", str(kernels.SOURCE_PATH.parent),
+                    f"-DFUSEDRNN_HOST_CELLS(X)={cells}", "-I", str(build.SOURCE_DIR),
                     str(Path(__file__).with_name("host_harness.cpp")), "-o", str(lib)],
                    check=True)
     return ctypes.CDLL(str(lib))
@@ -82,14 +82,14 @@ class HostCudaBackend:
             plan = replace(plan, threads=self.threads)
         if self.chunk:
             plan = replace(plan, chunk=self.chunk)
-        suffix = f"{config.mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
+        suffix = f"{config.mode}_{build.C_TYPES[np.dtype(dtype)]}"
         return persistent.PersistentLayer(
             config.mode, plan, self.xp,
             _persistent_launcher(getattr(self.lib, f"persistent_forward_{suffix}"), self.launches),
             _persistent_launcher(getattr(self.lib, f"persistent_backward_{suffix}"), self.launches))
 
     def cell_kernels(self, mode, dtype):
-        suffix = f"{mode}_{kernels.C_TYPES[np.dtype(dtype)]}"
+        suffix = f"{mode}_{build.C_TYPES[np.dtype(dtype)]}"
         k = kernels.CellKernels(mode, _cell_launcher(getattr(self.lib, f"forward_{suffix}")),
                                 _cell_launcher(getattr(self.lib, f"backward_{suffix}")))
         return k.forward_step, k.backward_step

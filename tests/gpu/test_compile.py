@@ -1,7 +1,7 @@
 """Every GPU kernel (per-step cells and persistent) compiles for sm_90 and sm_80: with
 nvcc, and with NVRTC exactly as CuPy builds it (same source, options and name
-expressions; the persistent kernels with CuPy's cooperative-groups option). Runs without a GPU; in CI
-(CI=true) a missing compiler fails the test instead of skipping it."""
+expressions; the persistent kernels need no cooperative-groups option, only a
+cooperative launch). Runs without a GPU; in CI (CI=true) a missing compiler fails the test instead of skipping it."""
 import ctypes
 import ctypes.util
 import os
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fusedrnn.gpu import kernels, persistent
+from fusedrnn.gpu import build
+from fusedrnn.gpu.kernels import STEP_KERNELS
+from fusedrnn.gpu.persistent import PERSISTENT_KERNELS
 
 ARCHS = ["sm_90", "sm_80"]
 
@@ -45,7 +47,7 @@ def _nvcc_entries(source_text, arch, tmp_path, *flags):
     source.write_text(source_text)
     result = subprocess.run(
         [nvcc, "-std=c++14", f"-arch={arch}", *flags, "-cubin", "-Xptxas", "-v", "-Werror",
-         "all-warnings", "-I", str(kernels.SOURCE_PATH.parent), str(source),
+         "all-warnings", "-I", str(build.SOURCE_DIR), str(source),
          "-o", str(tmp_path / "kernels.cubin")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "spill" not in re.sub(r"0 bytes spill (stores|loads)", "", result.stderr)
@@ -57,11 +59,11 @@ def _nvcc_entries(source_text, arch, tmp_path, *flags):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_kernel(arch, tmp_path):
     source = _instantiations(
-        "cells.cuh", kernels.all_kernel_names(),
+        "cells.cuh", STEP_KERNELS.all_kernel_names(),
         lambda name, ctype: f"FUSEDRNN_{'FORWARD' if 'forward_step' in name else 'BACKWARD'}"
                             f"_PARAMS({ctype})")
     entries, _ = _nvcc_entries(source, arch, tmp_path)
-    assert len(entries) == len(kernels.all_kernel_names()) == 16
+    assert len(entries) == len(STEP_KERNELS.all_kernel_names()) == 16
 
 
 # The second build is bench/gpu_phases.py's instrumented one.
@@ -69,12 +71,12 @@ def test_nvcc_compiles_every_kernel(arch, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
     source = _instantiations(
-        "persistent.cuh", persistent.all_kernel_names(),
+        "persistent.cuh", PERSISTENT_KERNELS.all_kernel_names(),
         lambda name, ctype: "unsigned long long*, FUSEDRNN_PERSISTENT_"
                             f"{'FORWARD' if 'persistent_forward' in name else 'BACKWARD'}"
                             f"_PARAMS({ctype})")
     entries, report = _nvcc_entries(source, arch, tmp_path, "-rdc=true", *defines)
-    assert len(entries) == len(persistent.all_kernel_names()) == 16
+    assert len(entries) == len(PERSISTENT_KERNELS.all_kernel_names()) == 16
     # __launch_bounds__(512): at most 128 registers, so a 512-thread block fits an SM.
     assert all(int(r) <= 128 for r in re.findall(r"Used (\d+) registers", report))
 
@@ -123,15 +125,16 @@ def _nvrtc_compiles(source, filename, names, options):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvrtc_compiles_every_kernel_as_cupy_does(arch):
-    _nvrtc_compiles(kernels.SOURCE_PATH.read_bytes(), b"cells.cuh", kernels.all_kernel_names(),
-                    [b"--std=c++14", f"--gpu-architecture={arch}".encode()])
+    _nvrtc_compiles(STEP_KERNELS.source().encode(), b"cells.cuh",
+                    STEP_KERNELS.all_kernel_names(),
+                    [*(o.encode() for o in build.OPTIONS), f"--gpu-architecture={arch}".encode()])
 
 
 @pytest.mark.parametrize("defines", [[], [b"-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch, defines):
-    # Exactly the text CuPy is given; persistent.py's options plus CuPy's own -ftz=true.
-    _nvrtc_compiles(persistent.source().encode(), b"persistent.cuh",
-                    persistent.all_kernel_names(),
-                    [b"--std=c++14", f"--gpu-architecture={arch}".encode(), b"-ftz=true",
-                     *defines])
+    # Exactly the text CuPy is given; build.py's options plus CuPy's own -ftz=true.
+    _nvrtc_compiles(PERSISTENT_KERNELS.source().encode(), b"persistent.cuh",
+                    PERSISTENT_KERNELS.all_kernel_names(),
+                    [*(o.encode() for o in build.OPTIONS), f"--gpu-architecture={arch}".encode(),
+                     b"-ftz=true", *defines])

@@ -92,15 +92,15 @@ def test_grid_size():
 def test_packing_gives_row_strides_and_refuses_strided_columns():
     buf = np.zeros((4, 3, 10))
     step = (np.empty(0, np.int64), 0, 0.0, 0.0, 0)
-    args, n = kernels.forward_args(*(buf[0, :, :8],) * 2, np.zeros(8), np.zeros(8),
-                                   *(buf[1, :, 2:4],) * 5, np.empty((0, 0)), *step)
+    args, n = kernels.step_forward_args(*(buf[0, :, :8],) * 2, np.zeros(8), np.zeros(8),
+                                        *(buf[1, :, 2:4],) * 5, np.empty((0, 0)), *step)
     assert n == 6 and args[1] == 10 and args[17] == 0      # ld of a view; placeholder ld 0
     assert [int(a) for a in args[-2:]] == [3, 2]           # N, H
     with pytest.raises(ValueError, match="contiguous rows"):
-        kernels.forward_args(buf[0, :, ::2], *(buf[0],) * 9, *step)
+        kernels.step_forward_args(buf[0, :, ::2], *(buf[0],) * 9, *step)
 
 
 def test_kernel_names_cover_every_mode_and_dtype():
-    names = kernels.all_kernel_names()
+    names = kernels.STEP_KERNELS.all_kernel_names()
     assert len(set(names)) == 16
     assert "fusedrnn::backward_step<fusedrnn::GruCell, double>" in names

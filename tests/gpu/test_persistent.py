@@ -101,7 +101,7 @@ def test_plan_blocks_cover_every_unit_once():
 
 
 def test_persistent_is_on_unless_turned_off(monkeypatch):
-    """On by default (measured on an H100: persistent.py); FUSEDRNN_GPU_PERSISTENT=0
+    """On by default (measured on an H100: bench/results/gpu.md); FUSEDRNN_GPU_PERSISTENT=0
     keeps the per-step path without touching CuPy."""
     from fusedrnn.config import RNNConfig
     monkeypatch.delenv(persistent.ENV, raising=False)
@@ -114,6 +114,6 @@ def test_persistent_is_on_unless_turned_off(monkeypatch):
 
 
 def test_kernel_names_cover_every_mode_and_dtype():
-    names = persistent.all_kernel_names()
+    names = persistent.PERSISTENT_KERNELS.all_kernel_names()
     assert len(set(names)) == 16
     assert "fusedrnn::persistent_backward<fusedrnn::GruCell, double>" in names
