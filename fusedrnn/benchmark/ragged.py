@@ -1,6 +1,6 @@
 """Ragged batches cost what the padded batch of the same T costs.
 
-    python bench/ragged.py --mode lstm -T 100 -N 32 -I 256 -H 256 --repeats 7
+    python -m fusedrnn.benchmark.ragged --mode lstm -T 100 -N 32 -I 256 -H 256 --repeats 7
 
 Times, interleaved and after a warm-up, fusedrnn on the padded batch (every sample T
 steps) and on the same batch with random lengths in 1..T (use_sequence_length=True);
