@@ -94,7 +94,7 @@ FORBIDDEN = {
 
 
 def _sources():
-    for top in ("fusedrnn", "tests", "bench", "examples"):
+    for top in ("fusedrnn", "tests", "examples"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel not in ALLOWED:

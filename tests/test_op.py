@@ -55,7 +55,8 @@ def test_backward_matches_finite_differences_of_reference(mode, L, D, dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_is_deterministic(mode):
     """Repeat runs give bit-identical gradients (finite differences above are only good
-    to ~1e-9; the tight 1e-10 gradient checks are test_golden.py and test_torch.py)."""
+    to ~1e-9; the tight 1e-10 gradient checks are test_golden.py and
+    tests/torch/test_autograd.py)."""
     case, kw, heads = make_case(mode, L=2, D=2)
     *_, h1 = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
     g1 = fusedrnn.rnn_backward(h1, **heads)

@@ -21,6 +21,7 @@ torch.nn, so their ratio is what fusedrnn's threads cost a program's other ops.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -32,6 +33,7 @@ from dataclasses import asdict
 
 BLOCK_S = 0.05   # a timed block lasts at least this long
 WARM_S = 0.1     # untimed calls at the start of each turn (OpenBLAS spins ~0.1 s)
+LONG_CALL_S = 1.0  # calls at least this long get no warm-in (see size_block)
 
 
 class Device:
@@ -64,6 +66,31 @@ class Device:
     def sync(self):
         if self.name == "gpu":  # the whole device: torch's stream as well as CuPy's
             self.xp.cuda.runtime.deviceSynchronize()
+
+
+def size_block(device, fn, block_s=BLOCK_S, warm_s=WARM_S):
+    """(calls, warm): how many back-to-back calls of `fn`, already warmed up, make a block
+    of at least `block_s`, and how many untimed calls start each turn."""
+    calls, elapsed = 0, 0.0
+    while elapsed < block_s / 2:  # calibrate on half a block (one call at least)
+        elapsed += device.time(fn)
+        calls += 1
+    per_call = elapsed / calls
+    calls = max(1, math.ceil(block_s / per_call))
+    # Warm-in covers the last peer's spinning threads; past LONG_CALL_S the hand-over
+    # is a tenth of one call at most, and a warm call would double a slow case's time.
+    return calls, 0 if per_call >= LONG_CALL_S else min(calls, math.ceil(warm_s / per_call))
+
+
+def time_block(device, fn, calls, warm):
+    """Seconds per call of one turn: `warm` untimed calls, then `calls` timed back to back."""
+    for _ in range(warm):
+        fn()
+
+    def block():
+        for _ in range(calls):
+            fn()
+    return device.time(block) / calls
 
 
 def torch_available(device):

@@ -15,7 +15,6 @@ else the process prints goes to stderr):
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -23,9 +22,7 @@ import traceback
 
 from .cases import Case
 from .peers import make
-from .runner import Device
-
-LONG_CALL_S = 1.0
+from .runner import Device, size_block, time_block
 
 
 class Session:
@@ -40,28 +37,16 @@ class Session:
         if self.fn is None:
             return {"skip": True}
         self.device.time(self.fn)  # compilation, allocation, caches
-        calls, elapsed = 0, 0.0
-        while elapsed < block_s / 2:  # calibrate on half a block (one call at least)
-            elapsed += self.device.time(self.fn)
-            calls += 1
-        per_call = elapsed / calls
-        self.calls = max(1, math.ceil(block_s / per_call))
-        # Warm-in covers the last peer's spinning threads; past LONG_CALL_S the hand-over
-        # is a tenth of one call at most, and a warm call would double a slow case's time.
-        self.warm = 0 if per_call >= LONG_CALL_S else min(self.calls,
-                                                          math.ceil(warm_s / per_call))
+        self.calls, self.warm = size_block(self.device, self.fn, block_s, warm_s)
         return {"calls": self.calls}
 
     def block(self):
         fn = self.fn
-        for _ in range(self.warm):
-            fn()
         neighbour = getattr(fn, "neighbour", None)
         if neighbour is None:
-            def run():
-                for _ in range(self.calls):
-                    fn()
-            return {"seconds": self.device.time(run) / self.calls}
+            return {"seconds": time_block(self.device, fn, self.calls, self.warm)}
+        for _ in range(self.warm):
+            fn()
         # A train step, then the program's own torch ops, each timed by itself.
         step_s = other_s = 0.0
         clock, sync = time.perf_counter, self.device.sync

@@ -8,9 +8,10 @@ weights do not change during a call, so we pack them once into 16-column panels 
 run this kernel over them. Measured on that machine: one core runs the kernel at
 80-90 GFLOP/s while a panel set stays in L1-L3 (2.6 MB), 50-60 when it streams 10 MB
 per pass; at the LSTM shape above, 2 threads, 60-93 GFLOP/s against numpy's 46-65
-(`python bench/microkernel.py`; the machine is shared and these spread widely). In
-float64 numpy's dgemm is as fast or faster at these shapes; the fused loop still wins
-there by keeping W_h h in a cache-resident tile and skipping a second parallel region.
+(`python -m fusedrnn.benchmark.microkernel`; the machine is shared and these spread
+widely). In float64 numpy's dgemm is as fast or faster at these shapes; the fused loop
+still wins there by keeping W_h h in a cache-resident tile and skipping a second parallel
+region.
 
 Numba cannot keep a tile of accumulators in vector registers on its own (its loop
 vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
@@ -40,9 +41,9 @@ load on others) the rule is untested.
 With AVX2 (16 registers), float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors
 and a broadcast fit. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
 accumulator on the stack. A spill-free float64 tile (6 rows x 2 ymm, two passes over
-the panel's halves) was tried on 2026-11-23. It raised bench/microkernel.py at 800
-columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300 N=20
-I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
+the panel's halves) was tried on 2026-11-23. It raised fusedrnn/benchmark/microkernel.py
+at 800 columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300
+N=20 I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
 step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
 tile's arithmetic limits float64, so the simpler kernel stays. With 256-bit vectors on
 AVX-512VL (32 registers) a 6 x 4 ymm float64 tile (29 registers; 4 passes over each panel

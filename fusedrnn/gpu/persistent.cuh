@@ -54,11 +54,12 @@
 #include "cells.cuh"
 
 #if defined(__CUDACC__) && defined(FUSEDRNN_PHASE_CLOCKS)
-// Instrumented build only (bench/gpu_phases.py compiles with -DFUSEDRNN_PHASE_CLOCKS):
-// each block's thread 0 adds the clock64 cycles of every step's phases, measured from
-// block barrier to block barrier, to slots 0 (staging, and in the backward the recurrent
-// product too), 1 (tasks: the cell math; in the forward also the product) and 2 (the
-// grid barrier: waiting for the slowest block). The extra block barriers cost a little.
+// Instrumented build only (fusedrnn/benchmark/gpu_phases.py compiles with
+// -DFUSEDRNN_PHASE_CLOCKS): each block's thread 0 adds the clock64 cycles of every step's
+// phases, measured from block barrier to block barrier, to slots 0 (staging, and in the
+// backward the recurrent product too), 1 (tasks: the cell math; in the forward also the
+// product) and 2 (the grid barrier: waiting for the slowest block). The extra block
+// barriers cost a little.
 __device__ unsigned long long fusedrnn_phase_clocks[3];
 #define FUSEDRNN_PHASE_START(since) long long since = clock64()
 #define FUSEDRNN_PHASE_MARK(slot, since)                                                  \

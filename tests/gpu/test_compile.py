@@ -66,7 +66,7 @@ def test_nvcc_compiles_every_kernel(arch, tmp_path):
     assert len(entries) == len(STEP_KERNELS.all_kernel_names()) == 16
 
 
-# The second build is bench/gpu_phases.py's instrumented one.
+# The second build is the instrumented one of fusedrnn/benchmark/gpu_phases.py.
 @pytest.mark.parametrize("defines", [[], ["-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):

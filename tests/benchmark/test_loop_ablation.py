@@ -1,25 +1,14 @@
-"""bench/loop_ablation.py cuts parts out of fused.py's kernels by source text: each cut's
-pattern must still occur exactly once, or the script would time the uncut kernel under
-a variant's name. Checked here on the text alone (no compile), so an edit to fused.py
-that moves a pattern fails a test rather than a measurement."""
-import importlib.util
+"""fusedrnn/benchmark/loop_ablation.py cuts parts out of fused.py's kernels by source
+text: each cut's pattern must still occur exactly once, or the script would time the uncut
+kernel under a variant's name. Checked here on the text alone (no compile), so an edit to
+fused.py that moves a pattern fails a test rather than a measurement."""
 import pathlib
 
 import pytest
 
+from fusedrnn.benchmark import loop_ablation as ablation
 from fusedrnn.cpu import fused
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "bench" / "loop_ablation.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("loop_ablation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ablation = _script()
 CASES = [(direction, name) for direction, cuts in ablation.CUTS.items() for name in cuts]
 
 

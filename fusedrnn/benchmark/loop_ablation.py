@@ -1,7 +1,7 @@
 """Where the fused CPU loop's time goes: the loop alone, with parts of it removed.
 
-    python bench/loop_ablation.py MODE [--dtype float32] [--shape T,N,I,H] [--rounds 9]
-        [--block 3] [--variants base,no_cell,...] [--backward]
+    python -m fusedrnn.benchmark.loop_ablation MODE [--dtype float32] [--shape T,N,I,H]
+        [--rounds 9] [--block 3] [--variants base,no_cell,...] [--backward]
 
 Builds variants of fusedrnn/cpu/fused.py's kernels from its source with one part cut
 out, compiles each in this process (no disk cache), and times FusedLayer.forward (or
@@ -17,8 +17,8 @@ times only. Variants:
     gemm_only  the per-sample part (row moves and cell) is skipped (forward only)
     no_gemm_no_cell   both of the first two (forward only)
 Prints the median and minimum milliseconds per call of each. This is how the figures
-of fused.py's note above _columns were measured (e.g. `python bench/loop_ablation.py
-gru --shape 50,64,512,512 --variants base,no_cell`).
+of fused.py's note above _columns were measured (e.g. `python -m
+fusedrnn.benchmark.loop_ablation gru --shape 50,64,512,512 --variants base,no_cell`).
 """
 from __future__ import annotations
 

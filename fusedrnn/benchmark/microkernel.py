@@ -1,6 +1,6 @@
 """The packed GEMM micro-kernel against numpy's BLAS at the recurrent product's shape.
 
-    python bench/microkernel.py [--repeats 20] [--dtype float32|float64]
+    python -m fusedrnn.benchmark.microkernel [--repeats 20] [--dtype float32|float64]
 
 C = A @ W.T with A (20, 800), one step's h_{t-1} in the design-doc case, and W (cols, 800)
 for cols = 3200 (an LSTM's 4H at H = 800) and 800, timed side by side in one run:

@@ -4,7 +4,7 @@ gradients. No CPU reference, so no Numba compile: the check to run on a lent GPU
 a benchmark of a changed kernel when there is no time for the full suite
 (tests/gpu/test_parity.py checks both paths against the CPU).
 
-    PYTHONPATH=. python3 bench/gpu_crosscheck.py      # exit status 1 on any mismatch
+    PYTHONPATH=. python3 -m fusedrnn.benchmark.gpu_crosscheck   # exit status 1 on any mismatch
 """
 import os
 import sys

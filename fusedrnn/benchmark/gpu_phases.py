@@ -9,7 +9,8 @@ the product), 2 the wait at the grid barrier. Cycles are averaged over blocks an
 and converted at the SM clock the device reports, so they are estimates: a step's time
 is roughly the slowest block's, and the instrumented build adds block barriers.
 
-    PYTHONPATH=. python3 bench/gpu_phases.py [--T 300 --N 20 --H 800 --modes lstm,gru]
+    PYTHONPATH=. python3 -m fusedrnn.benchmark.gpu_phases \
+        [--T 300 --N 20 --H 800 --modes lstm,gru]
 """
 import argparse
 

@@ -1,21 +1,25 @@
 """Ragged batches cost what the padded batch of the same T costs.
 
-    python bench/ragged.py --mode lstm -T 100 -N 32 -I 256 -H 256 --repeats 7
+    python -m fusedrnn.benchmark.ragged --mode lstm -T 100 -N 32 -I 256 -H 256 --repeats 7
 
 Times, interleaved and after a warm-up, fusedrnn on the padded batch (every sample T
 steps) and on the same batch with random lengths in 1..T (use_sequence_length=True);
 torch.nn on the padded batch and on the PackedSequence of the same lengths is shown for
-context. Prints medians (min-max) and the ragged/padded ratio for each.
+context. Loop timing, as in fusedrnn/benchmark/runner.py: each turn is untimed warm-in
+calls, then a block of back-to-back calls lasting at least --block-ms (all four in this
+one process). Prints medians (min-max) of the blocks' time per call and the
+ragged/padded ratio for each.
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import fusedrnn
 from fusedrnn.config import CELLS
+
+from . import runner
 
 
 def main():
@@ -26,7 +30,9 @@ def main():
     p.add_argument("-I", type=int, default=256)
     p.add_argument("-H", type=int, default=256)
     p.add_argument("--train", action="store_true", help="forward+backward instead of inference")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed blocks of each")
+    p.add_argument("--block-ms", type=float, default=1e3 * runner.BLOCK_S,
+                   help="a timed block of back-to-back calls lasts at least this long")
     args = p.parse_args()
     import torch
     from torch.nn.utils.rnn import pack_padded_sequence
@@ -63,19 +69,20 @@ def main():
 
     runs = {"fusedrnn padded": lambda: ours(False), "fusedrnn ragged": lambda: ours(True),
             "torch padded": lambda: theirs(False), "torch packed": lambda: theirs(True)}
+    device = runner.Device("cpu")
+    sizes = {}
+    for k, f in runs.items():
+        f()  # compilation, allocation
+        sizes[k] = runner.size_block(device, f, args.block_ms / 1e3)
     times = {k: [] for k in runs}
-    for f in runs.values():
-        f()
     for _ in range(args.repeats):
         for k, f in runs.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(runner.time_block(device, f, *sizes[k]))
     med = {k: float(np.median(v)) for k, v in times.items()}
     print(f"{args.mode} T={T} N={N} I={args.I} H={args.H} float32 "
           f"{'training' if args.train else 'inference'}, lengths 1..{T} (mean "
           f"{lengths.mean():.1f}), torch threads {torch.get_num_threads()}, median of "
-          f"{args.repeats} (min-max)")
+          f"{args.repeats} blocks of >= {args.block_ms:g} ms (min-max)")
     for k, v in times.items():
         print(f"  {k:16s} {med[k] * 1e3:8.1f} ms ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})")
     print(f"  ragged/padded: fusedrnn {med['fusedrnn ragged'] / med['fusedrnn padded']:.3f}, "

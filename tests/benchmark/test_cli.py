@@ -16,7 +16,7 @@ from fusedrnn.benchmark import cases as case_lib
 from fusedrnn.benchmark import report
 from fusedrnn.benchmark.cases import Case
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
