@@ -127,7 +127,7 @@ class RecurrentOp:
 
     def _project_input(self, layer, x, params):
         """scratch.xproj = W_x x_t of every step and both directions, one GEMM: the fused
-        layer's own where it has one (cpu/gemm.py: why), else the backend's BLAS."""
+        layer's own where it has one (cpu/lowlevel/gemm.py: why), else the backend's BLAS."""
         T, N, D = self.T, self.N, self.config.directions
         x2d = x.reshape(T * N, -1)
         if self.fused is not None and self.fused.projects_input:
