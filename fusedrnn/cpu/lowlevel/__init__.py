@@ -13,9 +13,11 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
 VECTOR_BITS here is the value at import; microkernel.VECTOR_BITS is the setting a
 process may override before it compiles a tile (tile_settings() reads it).
 """
+# microkernel first: decorating the cached kernels of gemm and packing stamps them with
+# tile_settings() (jitcache.py), which must be here by then.
+from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, tile_settings
 from .gemm import CHUNK, project
 from .mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
-from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, tile_settings
 from .packing import (pack_input_weights, pack_panel, pack_recurrent, pack_recurrent_rows,
                       panels)
 from .rows import row_add, row_add3, row_copy

@@ -45,8 +45,8 @@ panel_gemm_t(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     forward_single): A is raw weight rows, read in place, and the panel 16 samples of
     the input as columns.
 
-The kernels of fused.py and gemm.py inline this file's code; jitcache.py makes an edit
-here retire their disk-cached machine code.
+The kernels of ../fused.py and gemm.py inline this file's code; ../jitcache.py makes an
+edit here retire their disk-cached machine code.
 """
 from __future__ import annotations
 
