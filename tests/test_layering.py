@@ -16,9 +16,11 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fusedrnn"
 
 # The intended layering, bottom up: config (cell table, options, flags) <- layout <-
-# validate <- recurrence <- backends (cpu/, gpu/) <- op <- torch/. A module under a key
-# (the key itself or its submodules) imports only modules under the names listed. The
-# facade (fusedrnn/__init__.py), __main__ and benchmark/ sit on top: no rule but no cycle.
+# validate <- recurrence <- backends (cpu/, gpu/) <- op <- torch/; inside cpu/, lowlevel/
+# (the kernels' building blocks) under the rest. A module under a key (the key itself or
+# its submodules) imports only modules under the names listed; the longest key decides.
+# The facade (fusedrnn/__init__.py), __main__ and benchmark/ sit on top: no rule but no
+# cycle.
 CORE = ("fusedrnn.config", "fusedrnn.layout", "fusedrnn.validate", "fusedrnn.recurrence")
 LAYERS = {
     "fusedrnn.config": (),
@@ -27,6 +29,7 @@ LAYERS = {
     "fusedrnn.validate": ("fusedrnn.config", "fusedrnn.layout"),
     "fusedrnn.recurrence": ("fusedrnn.config", "fusedrnn.layout", "fusedrnn.validate"),
     "fusedrnn.cpu": CORE + ("fusedrnn.cpu",),
+    "fusedrnn.cpu.lowlevel": ("fusedrnn.cpu.lowlevel", "fusedrnn.cpu.threads"),
     "fusedrnn.gpu": CORE + ("fusedrnn.gpu",),
     "fusedrnn.op": CORE + ("fusedrnn.cache", "fusedrnn.cpu", "fusedrnn.gpu"),
     "fusedrnn.torch": CORE + ("fusedrnn.op", "fusedrnn.torch"),
@@ -132,7 +135,8 @@ def test_the_graph_sees_function_level_and_relative_imports():
     for module, target in [("fusedrnn.op", "fusedrnn.cpu"),           # in a function
                            ("fusedrnn.op", "fusedrnn.gpu"),
                            ("fusedrnn.cpu", "fusedrnn.cpu.jitcache"),  # from . import x
-                           ("fusedrnn.cpu.units", "fusedrnn.cpu.mathfn"),
+                           ("fusedrnn.cpu.units", "fusedrnn.cpu.lowlevel"),
+                           ("fusedrnn.cpu.lowlevel", "fusedrnn.cpu.lowlevel.packing"),
                            ("fusedrnn.validate", "fusedrnn.layout"),
                            ("fusedrnn.torch.modules", "fusedrnn.layout"),
                            ("fusedrnn.benchmark.peers", "fusedrnn.torch")]:  # import a.b as c
@@ -154,6 +158,14 @@ def test_imports_follow_the_layers(module):
              if not any(_under(t, name) for name in allowed)]
     assert not wrong, f"{module} may import only {allowed or 'no fusedrnn module'}:\n" + \
         "\n".join(wrong)
+
+
+def test_lowlevel_is_imported_through_its_entry_only():
+    """Outside fusedrnn.cpu.lowlevel, only its __init__ (the narrow entry) is imported."""
+    wrong = [_where(m, t) for m in sorted(GRAPH) if not _under(m, "fusedrnn.cpu.lowlevel")
+             for t in sorted(GRAPH[m]) if _under(t, "fusedrnn.cpu.lowlevel")
+             and t != "fusedrnn.cpu.lowlevel"]
+    assert not wrong, "import fusedrnn.cpu.lowlevel, not its submodules:\n" + "\n".join(wrong)
 
 
 def test_op_does_not_reach_the_torch_integration():

@@ -17,8 +17,8 @@ times only. Variants:
     gemm_only  the per-sample part (row moves and cell) is skipped (forward only)
     no_gemm_no_cell   both of the first two (forward only)
 Prints the median and minimum milliseconds per call of each. This is how the figures
-of fused.py's note above _columns were measured (e.g. `python -m
-fusedrnn.benchmark.loop_ablation gru --shape 50,64,512,512 --variants base,no_cell`).
+of bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops were measured
+(e.g. `python -m fusedrnn.benchmark.loop_ablation gru --shape 50,64,512,512 --variants base,no_cell`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 C = A @ W.T with A (20, 800), one step's h_{t-1} in the design-doc case, and W (cols, 800)
 for cols = 3200 (an LSTM's 4H at H = 800) and 800, timed side by side in one run:
   numpy   np.matmul(A, W.T, out=C): OpenBLAS, which re-packs W on every call
-  kernel  panel_gemm (fusedrnn/cpu/microkernel.py) over W packed once into 16-column
+  kernel  panel_gemm (fusedrnn/cpu/lowlevel/microkernel.py) over W packed once into 16-column
           panels (outside the timing), the panels split over Numba's threads by prange,
           as the fused layer loop does
 Prints the median GFLOP/s (2*N*K*cols per call) of each and kernel/numpy.
@@ -20,19 +20,19 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from fusedrnn.cpu.microkernel import PANEL, pack_columns, panel_gemm_for
+from fusedrnn.cpu.lowlevel import PANEL, pack_input_weights, panel_gemm, panels
 
 N, K, COLUMNS = 20, 800, (3200, 800)
 
 
 def make_kernel(dtype):
-    panel_gemm, itemsize = panel_gemm_for(dtype), np.dtype(dtype).itemsize
+    itemsize, zero = np.dtype(dtype).itemsize, np.dtype(dtype).type(0)   # zero: the precision
 
     @nb.njit(parallel=True, nogil=True)
-    def kernel(a, panels, c):
-        for p in prange(panels.shape[0]):     # one 16-column panel of C per iteration
-            panel_gemm(a.ctypes.data, a.shape[1], a.shape[0], panels[p].ctypes.data,
-                       c.ctypes.data + p * PANEL * itemsize, c.shape[1], a.shape[1])
+    def kernel(a, wpack, c):
+        for p in prange(wpack.shape[0]):      # one 16-column panel of C per iteration
+            panel_gemm(a.ctypes.data, a.shape[1], a.shape[0], wpack[p].ctypes.data,
+                       c.ctypes.data + p * PANEL * itemsize, c.shape[1], a.shape[1], zero)
     return kernel
 
 
@@ -60,10 +60,10 @@ def main():
     for cols in COLUMNS:
         a = rng.standard_normal((N, K)).astype(dtype)
         w = rng.standard_normal((cols, K)).astype(dtype)
-        panels = pack_columns(w, 1).reshape(-1, K, PANEL)     # packed once, not timed
+        wpack = pack_input_weights([w], np.empty((panels(cols), K, PANEL), dtype))  # not timed
         c_numpy, c_kernel = np.empty((N, cols), dtype), np.empty((N, cols), dtype)
         methods = {"numpy": lambda: np.matmul(a, w.T, out=c_numpy),
-                   "kernel": lambda: kernel(a, panels, c_kernel)}
+                   "kernel": lambda: kernel(a, wpack, c_kernel)}
         # Warm-up (compiles the kernel, spins up both thread pools), then a check: a fast
         # wrong answer is worth nothing.
         calls = {name: calls_per_sample(f) for name, f in methods.items()}

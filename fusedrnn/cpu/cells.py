@@ -51,7 +51,7 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .mathfn import zero_like
+from .lowlevel import zero_like
 from .threads import LAUNCH_LOCK
 from .units import BACKWARD_UNITS, FORWARD_UNITS, MODE_INDEX, backward_unit, forward_unit
 

@@ -4,13 +4,13 @@ The generic driver (recurrence.py) runs two parallel regions per step: numpy's B
 for h_{t-1} @ W_h^T (which re-packs W_h on every call), then the cell kernel, handing
 the cores back and forth between OpenBLAS's and Numba's threads. Here the whole loop is
 one Numba parallel region whose workers walk the steps together, sharing each step's
-blocks of 16 hidden units (workshare.py: claims, a spin barrier at each step's end, and
-the measured cost of the region per step it replaces). A block multiplies h_{t-1} by
-its own pre-packed panels of W_h (microkernel.py), all G gates of its units, into a
-small tile that stays in cache, and applies the cell's pointwise math (units.py) to it
-at once. The step's other inputs (W_x x_t, biases, h_{t-1}, c_{t-1}) come into the tile,
-and the results go out, as 16-element vector rows (rows.py, which gives the measured
-cost of doing it element by element). No per-step Python, no allocation in the loop.
+blocks of 16 hidden units (lowlevel/workshare.py: claims, a spin barrier at each step's
+end, and why not a region per step). A block multiplies h_{t-1} by its own pre-packed
+panels of W_h (lowlevel/microkernel.py, lowlevel/packing.py), all G gates of its units,
+into a small tile that stays in cache, and applies the cell's pointwise math (units.py)
+to it at once. The step's other inputs (W_x x_t, biases, h_{t-1}, c_{t-1}) come into the
+tile, and the results go out, as 16-element vector rows (lowlevel/rows.py, and why not
+element by element). No per-step Python, no allocation in the loop.
 
 Used for every cell without a projection (the projected LSTM keeps the generic path).
 At T=1 (a decoder step) a second form of the same kernel, FusedLayer.forward_single,
@@ -22,6 +22,7 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
+                                 (lowlevel/packing.py)
     bx, bh  (G*H,)          in   biases
     hs      (D, T+1, N, H)  in/out  state sequence (recurrence.py's row convention): the
                                  initial state row must be set; every other row of
@@ -48,40 +49,13 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .gemm import CHUNK, pack_input_weights, project
-from .mathfn import zero_like
-from . import microkernel
-from .microkernel import PANEL, panel_gemm, panel_gemm_t
-from .rows import row_add, row_add3, row_copy
-from .workshare import claim, finish, new_counters
+from .lowlevel import (CHUNK, PANEL, VECTOR_BITS, claim, finish, new_counters, pack_input_weights,
+                       pack_panel, pack_recurrent, pack_recurrent_rows, panel_gemm,
+                       panel_gemm_t, panels, project, row_add, row_add3, row_copy, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
-__all__ = ["FusedLayer", "fused_layer", "pack_recurrent", "pack_recurrent_rows", "panels"]
-
-
-def panels(units):
-    """B: blocks of 16 hidden units covering `units`."""
-    return -(-units // PANEL)
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def _pack(w, gates, out):
-    H, K = w.shape[0] // gates, w.shape[1]
-    for b in prange(out.shape[0]):
-        for g in range(gates):
-            for k in range(K):
-                for u in range(PANEL):
-                    j = b * PANEL + u
-                    out[b, g, k, u] = w[g * H + j, k] if j < H else 0
-
-
-def pack_recurrent(w_h, gates, out):
-    """W_h (G*H, K) -> out (B, G, K, 16): panel [b, g] is gate g's units 16b..16b+15 as
-    columns of W_h^T, zero past H. `out` is scratch the op owns."""
-    with LAUNCH_LOCK:
-        _pack(w_h, gates, out)
-    return out
+__all__ = ["FusedLayer", "fused_layer"]
 
 
 # One tile row per sample, in 16-wide column groups (why: the cell math then reads and
@@ -101,49 +75,15 @@ TILE_GROUPS = 16
 #    the address, which LLVM could not remove for all of the tile's columns, so the
 #    loads looked like gathers and the cost model kept the loop scalar. The columns
 #    (_columns) and `lanes` are unsigned, and unsigned indices have no wraparound.
-# 3. Branches in the math (mathfn.select says why it emits selects).
-# Measured on the 2-core machine, the loops alone through the op, median of 7-9
-# interleaved in one process. Step 1, T=300 N=20 I=H=800 (constant -> run-time count):
-#   forward   rnn_relu f32 71.2 -> 61.1 ms; rnn_tanh f64 170 -> 155; the others level
-#   backward  rnn_relu f32 75.2 -> 61.3 ms; rnn_tanh f32 79.9 -> 68.3; f64 120 -> 112
-# Steps 2 and 3 (the GRU and LSTM forward cells now vectorise too; commit deb396b has the
-# per-mode figures): GRU forward f32, T=50 N=64 I=H=512, 57.4 -> 32.8 ms, level with
-# the loop with no cell at all (33.0).
+# 3. Branches in the math (lowlevel/mathfn.py's select says why it emits selects).
+# Each of the three made the cell loops faster; with all three the GRU forward runs
+# level with the loop with no cell at all.
+# Measured: bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops
 
 
 def _columns(*groups):
     """The first tile column of each group, as unsigned constants (note above)."""
     return tuple(np.uint64(group * PANEL) for group in groups)
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def _pack_rows(w, out):
-    GH, R = w.shape
-    for b in prange(out.shape[0]):
-        for k in range(GH):
-            for u in range(PANEL):
-                j = b * PANEL + u
-                out[b, k, u] = w[k, j] if j < R else 0
-
-
-def pack_recurrent_rows(w_h, out):
-    """W_h (G*H, R) -> out (B, G*H, 16): panel b is columns 16b..16b+15 of W_h (the
-    backward product dg @ W_h), zero past R."""
-    with LAUNCH_LOCK:
-        _pack_rows(w_h, out)
-    return out
-
-
-@nb.njit(inline="always")
-def _pack_panel(w, r0, width, out):
-    """out (K, 16) = rows r0..r0+width-1 of w (R, K) as columns, zero past width."""
-    for u in range(PANEL):
-        if u < width:
-            for k in range(w.shape[1]):
-                out[k, u] = w[r0 + u, k]
-        else:
-            for k in range(w.shape[1]):
-                out[k, u] = 0
 
 
 def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
@@ -177,8 +117,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
         blocks = tiles.shape[0] if single_step else wpack.shape[0]
         if single_step:   # x and h_0 as columns, 16 samples per panel (serial: small)
             for p in range(x_cols.shape[0]):
-                _pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
-                _pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
+                pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
+                pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
                             h_cols[p])
         for worker in prange(workers):   # each walks every step (workshare.py)
             for step in range(T):
@@ -405,10 +345,11 @@ class FusedLayer:
     def __init__(self, mode, dtype):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
-        # project() replaces the driver's BLAS input GEMM in float32 (gemm.py says why),
-        # and in float64 where the tiles are 512 bits wide; with 256-bit tiles numpy's
-        # dgemm was faster. Measured: bench/results/cpu-kernel-notes.md#input-projection
-        self.projects_input = self.dtype == np.float32 or microkernel.VECTOR_BITS == 512
+        # project() replaces the driver's BLAS input GEMM in float32 (lowlevel/gemm.py
+        # says why), and in float64 where the tiles are 512 bits wide; with 256-bit tiles
+        # numpy's dgemm was faster.
+        # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
+        self.projects_input = self.dtype == np.float32 or VECTOR_BITS == 512
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))
@@ -447,7 +388,7 @@ class FusedLayer:
 
     def project(self, x2d, w_xs, out, scratch):
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
-        (gemm.py says why not numpy's); scratch.wx_panels and .spill as carved."""
+        (lowlevel/gemm.py says why not numpy's); scratch.wx_panels and .spill as carved."""
         K = x2d.shape[1]
         wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
         pack_input_weights(w_xs, wpack)
@@ -478,7 +419,7 @@ class FusedLayer:
         (packed as 16-sample columns first) and runs the cell. Why: at T=1 each weight
         is used once, so forward()'s path (pack W_x, project, pack W_h, step: four
         region launches, the weights copied twice) costs more than the products
-        (measured: bench/results/cpu-kernel-notes.md#single-step-form).
+        (measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-form).
             x2d     (N, K)            in   the layer input of the one step
             w_x     (G*H, K), w_h (G*H, H)   in   this direction's weights, C-contiguous
             scratch.tiles   (B, ceil(N/16)*16, 256)   forward_scratch's, T=1

@@ -2,19 +2,19 @@
 
 Numba keys a cached kernel on the source of the one file that defines it (its content
 hash in numba 0.68, its timestamp in older releases) and on the kernel's own bytecode.
-Our kernels inline code from other files: fused.py and gemm.py compile in
-microkernel.py's register tiles, units.py's cell math, mathfn.py's functions, and the
-clip flags of ../config.py (the one file outside cpu/ that cpu/ imports). Edit one of
-those and Numba would load the old machine code from the cache: silently wrong results
-until someone clears __pycache__.
+Our kernels inline code from other files: fused.py and lowlevel/gemm.py compile in
+lowlevel/microkernel.py's register tiles, units.py's cell math, lowlevel/mathfn.py's
+functions, and the clip flags of ../config.py (the one file outside cpu/ that cpu/
+imports). Edit one of those and Numba would load the old machine code from the cache:
+silently wrong results until someone clears __pycache__.
 
 So for kernels defined in this package we put our own cache locators first in Numba's
 list. They store the cache where Numba's own would (NUMBA_CACHE_DIR, else __pycache__,
 else the user-wide directory) and add to Numba's freshness stamp a digest of the
-content of every file in DEPENDENCIES: an edit to any of them retires every cached
-kernel of the package. The stamp also holds the micro-kernel's vector width and tile
-heights, which are settings, not source. A user who names the locators (NUMBA_CACHE_LOCATOR_CLASSES)
-keeps that choice.
+content of every file in DEPENDENCIES (every .py under cpu/, subpackages included):
+an edit to any of them retires every cached kernel of the package. The stamp also holds
+the micro-kernel's vector width and tile heights, which are settings, not source. A user
+who names the locators (NUMBA_CACHE_LOCATOR_CLASSES) keeps that choice.
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ from numba.core import caching
 __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# The files whose code or constants a cached kernel of this package may compile in.
-DEPENDENCIES = tuple(sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE)
-                            if name.endswith(".py"))) + \
-    (os.path.join(os.path.dirname(_HERE), "config.py"),)
+_ROOT = os.path.dirname(_HERE)   # fusedrnn/
+# The files whose code or constants a cached kernel of this package may compile in:
+# every .py under cpu/, recursively (a kernel in cpu/ inlines code from lowlevel/).
+DEPENDENCIES = tuple(sorted(os.path.join(folder, name)
+                            for folder, _, names in os.walk(_HERE) for name in names
+                            if name.endswith(".py"))) + (os.path.join(_ROOT, "config.py"),)
 
 
 def dependency_digest(paths=DEPENDENCIES):
@@ -57,10 +59,10 @@ def _digest(stats):
 def _tile_settings():
     """The micro-kernel's run-time settings that compiled code depends on (its vector
     width and tile heights): a process that overrides them must not load, or leave
-    behind, machine code of the others."""
-    from . import microkernel
-    rows = tuple(sorted((str(dtype), mr) for dtype, mr in microkernel.ROWS.items()))
-    return microkernel.VECTOR_BITS, rows
+    behind, machine code of the others. Imported here, not at the top: install() must
+    run before lowlevel's kernels are decorated."""
+    from . import lowlevel
+    return lowlevel.tile_settings()
 
 
 def _ours(base):
@@ -70,7 +72,7 @@ def _ours(base):
     class Locator(base):
         @classmethod
         def from_function(cls, py_func, py_file):
-            if os.path.dirname(os.path.abspath(py_file)) != _HERE:
+            if not os.path.abspath(py_file).startswith(_HERE + os.sep):   # lowlevel/ too
                 return None
             return super().from_function(py_func, py_file)
 

@@ -2,13 +2,10 @@
 
 Between our per-step Numba kernels run OpenBLAS GEMMs with OpenBLAS's own threads.
 Numba's OpenMP layer leaves its threads spinning after each kernel, and on 2 cores
-they fight OpenBLAS's threads for the cores. Measured (2 cores, LSTM T=300 N=20
-I=H=800 float32 inference, median of 5; torch 2.13 imported first):
-    OpenMP layer (shares torch's libgomp)        2.79 s
-    OpenMP, OMP_WAIT_POLICY=PASSIVE at load      0.72 s, but only if fusedrnn loads
-                                                 libgomp before torch does
-    workqueue layer                              0.72-0.77 s, whatever the import order
-(the parts alone: 0.13 s input GEMM, 0.25 s recurrent GEMMs, 0.13 s cell kernels).
+they fight OpenBLAS's threads for the cores: an LSTM call took almost four times as
+long as on the workqueue layer (OMP_WAIT_POLICY=PASSIVE helps only if fusedrnn loads
+libgomp before torch does, which a library cannot ensure).
+Measured: bench/results/cpu-kernel-notes.md#threads-the-threading-layer
 
 So, unless the user chose a layer (NUMBA_THREADING_LAYER or numba.config), we select
 workqueue. Its workers sleep between launches, but it aborts the process if two

@@ -21,7 +21,7 @@ backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, clip_lo, clip_hi, clip_fla
     pre-activation (equal except GRU's n gate), the gradient that reaches h_prev directly
     (GRU's z*dh; else 0) and the one that reaches c_prev (LSTM's f*dc; else 0)
 
-All arithmetic stays in the arguments' precision (the activations come from mathfn) and
+All arithmetic stays in the arguments' precision (the activations come from lowlevel/mathfn.py) and
 every per-element conditional is a select, so a loop over units can vectorise: the fused
 loops' do (tests/cpu/test_vectorised_cells.py; fused.py's note above _columns says what
 else that took). The fused loops pass the clip bounds in the data's dtype; the per-step
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba as nb
 
 from ..config import CLIP, CLIP_NAN  # the clip_flags bits, defined once
-from .mathfn import one_like, select, sigmoid, tanh, zero_like
+from .lowlevel import one_like, select, sigmoid, tanh, zero_like
 
 __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "clip",
            "forward_unit", "unclipped"]
@@ -40,7 +40,7 @@ __all__ = ["BACKWARD_UNITS", "FORWARD_UNITS", "MODE_INDEX", "backward_unit", "cl
 
 @nb.njit(inline="always", cache=True)
 def clip(c, lo, hi, flags):
-    if flags & CLIP:   # (loop-invariant); per element selects, not branches (mathfn.select)
+    if flags & CLIP:   # (loop-invariant); per element selects, not branches (lowlevel.select)
         nan_to_lo = (flags & CLIP_NAN) != 0
         c = select(c < lo, lo, select(c > hi, hi, select(nan_to_lo & (c != c), lo, c)))
     return c

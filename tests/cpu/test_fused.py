@@ -7,8 +7,7 @@
 (b) FusedLayer.forward called directly on NaN-poisoned buffers: every element it must
     write is written (and right, against tests/reference.py's cell), nothing of the
     other direction is read or written.
-(c) pack_recurrent / pack_recurrent_rows against the layouts their docstrings define.
-(d) The T=1 form (FusedLayer.forward_single) as (a) and (b): through the op against the
+(c) The T=1 form (FusedLayer.forward_single) as (a) and (b): through the op against the
     generic path, and called directly on poisoned buffers against the reference cell.
 """
 from types import SimpleNamespace
@@ -19,10 +18,9 @@ import pytest
 import fusedrnn
 from conftest import MODES, make_case, rel_err
 from fusedrnn.config import CELLS, RNNConfig
-from fusedrnn.cpu import CpuBackend, microkernel
-from fusedrnn.cpu.fused import (TILE_GROUPS, FusedLayer, fused_layer, pack_recurrent,
-                                pack_recurrent_rows, panels)
-from fusedrnn.cpu.microkernel import PANEL, pack_columns, pack_rows
+from fusedrnn.cpu import CpuBackend
+from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
+from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
 from fusedrnn.recurrence import NEXT, PREV
 from reference import cell as reference_cell
 
@@ -208,7 +206,7 @@ def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
     config = RNNConfig(mode="gru", state_size=20, num_layers=2, input_size=9,
                        bidirectional=True)
     shapes = layer.forward_scratch(config, 5, 3)
-    own = dtype == np.float32 or microkernel.VECTOR_BITS == 512
+    own = dtype == np.float32 or VECTOR_BITS == 512
     assert layer.projects_input is own
     assert bool(np.prod(shapes["wx_panels"])) == own and bool(np.prod(shapes["spill"])) == own
     calls, real = [], FusedLayer.project
@@ -220,38 +218,7 @@ def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
     assert len(calls) == (2 if own else 0)   # one per layer
 
 
-# -- (c) packing layouts --------------------------------------------------------------
-
-@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
-@pytest.mark.parametrize("mode", ["rnn_tanh", "gru", "lstm"])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pack_recurrent_layout(dtype, mode, H):
-    """(B, G, K, 16): out[b, g, k, u] = W_h[g*H + 16b + u, k], 0 past H."""
-    G, K = CELLS[mode].gates, 7
-    w = np.random.default_rng([G, H]).standard_normal((G * H, K)).astype(dtype)
-    out = np.full((panels(H), G, K, PANEL), np.nan, dtype)
-    assert pack_recurrent(w, G, out) is out
-    for b, g, k, u in np.ndindex(out.shape):
-        j = PANEL * b + u
-        assert out[b, g, k, u] == (w[g * H + j, k] if j < H else 0), (b, g, k, u)
-    assert np.array_equal(out, pack_columns(w, G))   # the micro-kernel's own packing
-
-
-@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pack_recurrent_rows_layout(dtype, R):
-    """(B, G*H, 16): out[b, k, u] = W_h[k, 16b + u], 0 past R."""
-    GH = 9
-    w = np.random.default_rng(R).standard_normal((GH, R)).astype(dtype)
-    out = np.full((panels(R), GH, PANEL), np.nan, dtype)
-    assert pack_recurrent_rows(w, out) is out
-    for b, k, u in np.ndindex(out.shape):
-        j = PANEL * b + u
-        assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
-    assert np.array_equal(out, pack_rows(w))
-
-
-# -- (d) the T=1 form: forward_single -------------------------------------------------
+# -- (c) the T=1 form: forward_single -------------------------------------------------
 
 @pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
 @pytest.mark.parametrize("N", [1, 7, 17])       # 17: a second, mostly padded 16-sample panel

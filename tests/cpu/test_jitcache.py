@@ -1,6 +1,6 @@
 """fusedrnn.cpu.jitcache: every cached kernel of the package gets our locator, the digest
 moves with any dependency's content, and, end to end in fresh processes on a copy of the
-package, an edit to microkernel.py retires the cached machine code of a kernel defined
+package, an edit to lowlevel/microkernel.py retires the cached machine code of a kernel defined
 in another file (which Numba alone would keep loading)."""
 import os
 import shutil
@@ -10,7 +10,8 @@ import sys
 import numpy as np
 
 import fusedrnn
-from fusedrnn.cpu import cells, fused, gemm, jitcache
+from fusedrnn.cpu import cells, fused, jitcache
+from fusedrnn.cpu.lowlevel import gemm, microkernel, packing
 
 
 def test_locators_come_first_and_install_is_idempotent():
@@ -24,7 +25,8 @@ def test_locators_come_first_and_install_is_idempotent():
 
 def test_package_kernels_use_our_locator():
     layer = fused.fused_layer("lstm", np.float32)
-    kernels = [gemm._project, gemm._pack_rows_at, fused._pack, fused._pack_rows,
+    kernels = [gemm._project, packing._pack_rows_at, packing._pack_recurrent,
+               packing._pack_recurrent_rows,
                layer._forward, layer._forward_single, layer._backward,
                *(launch.kernel for launch in cells.cell_kernels("gru", np.float64))]
     for kernel in kernels:
@@ -36,7 +38,6 @@ def test_package_kernels_use_our_locator():
 def test_stamp_moves_with_the_tile_settings(monkeypatch):
     """VECTOR_BITS and ROWS are read when a tile compiles: a process that overrides them
     must get other cache entries, not load (or overwrite) the defaults' machine code."""
-    from fusedrnn.cpu import microkernel
     locator = gemm._project._cache._impl._locator
     before = locator.get_source_stamp()
     monkeypatch.setattr(microkernel, "VECTOR_BITS", 768 - microkernel.VECTOR_BITS)
@@ -48,8 +49,10 @@ def test_stamp_moves_with_the_tile_settings(monkeypatch):
 
 def test_digest_moves_with_each_dependency(tmp_path):
     copies = []
-    for path in jitcache.DEPENDENCIES:
-        copy = tmp_path / os.path.basename(path)
+    root = os.path.dirname(os.path.dirname(jitcache.__file__))   # fusedrnn/
+    for path in jitcache.DEPENDENCIES:   # two __init__.py: keep the folders
+        copy = tmp_path / os.path.relpath(path, root)
+        copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, copy)
         copies.append(str(copy))
     assert jitcache.dependency_digest(copies) == jitcache.dependency_digest()
@@ -61,18 +64,19 @@ def test_digest_moves_with_each_dependency(tmp_path):
     assert len(seen) == len(copies) + 1
     assert any(p.endswith(os.path.join("fusedrnn", "config.py"))
                for p in jitcache.DEPENDENCIES)
-    assert any(p.endswith("microkernel.py") for p in jitcache.DEPENDENCIES)
+    assert any(p.endswith(os.path.join("cpu", "lowlevel", "microkernel.py"))
+               for p in jitcache.DEPENDENCIES)
     assert jitcache.dependency_digest([str(tmp_path / "missing.py")]) is None
 
 
 PROBE = """
 import numpy as np
-from fusedrnn.cpu import gemm
+from fusedrnn.cpu.lowlevel import packing
 w = np.arange(12.0).reshape(3, 4)
 out = np.empty((1, 4, 16))
-gemm._pack_rows_at(w, 0, out)
+packing._pack_rows_at(w, 0, out)
 assert (out[0, :, :3] == w.T).all()
-stats = gemm._pack_rows_at.stats
+stats = packing._pack_rows_at.stats
 print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
 """
 
@@ -91,7 +95,7 @@ def test_an_edit_to_an_inlined_file_retires_the_cache(tmp_path):
 
     assert hits_and_misses() == (0, 1)       # compiled and stored
     assert hits_and_misses() == (1, 0)       # loaded
-    with open(package / "cpu" / "microkernel.py", "a") as f:
-        f.write("\n# an edit that Numba's own stamp of gemm.py would not see\n")
+    with open(package / "cpu" / "lowlevel" / "microkernel.py", "a") as f:
+        f.write("\n# an edit that Numba's own stamp of packing.py would not see\n")
     assert hits_and_misses() == (0, 1)       # retired, compiled again
     assert hits_and_misses() == (1, 0)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from fusedrnn.cpu import cells, fused, gemm
+from fusedrnn.cpu import cells, fused
+from fusedrnn.cpu.lowlevel import gemm, packing
 from fusedrnn.layout import param_size
 from conftest import fresh_compile
 
@@ -37,8 +38,9 @@ def _exercise():
 
 def kernels():
     layer = fused.fused_layer(MODE, DTYPE)
-    return {"gemm._project": gemm._project, "gemm._pack_rows_at": gemm._pack_rows_at,
-            "fused._pack": fused._pack, "fused._pack_rows": fused._pack_rows,
+    return {"gemm._project": gemm._project, "packing._pack_rows_at": packing._pack_rows_at,
+            "packing._pack_recurrent": packing._pack_recurrent,
+            "packing._pack_recurrent_rows": packing._pack_recurrent_rows,
             "fused forward": layer._forward, "fused forward_single": layer._forward_single,
             "fused backward": layer._backward,
             **{f"cells {launch.kernel.py_func.__name__}": launch.kernel

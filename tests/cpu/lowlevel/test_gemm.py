@@ -1,9 +1,9 @@
-"""The input projection on Numba's threads (fusedrnn/cpu/gemm.py) against float64 numpy."""
+"""The input projection on Numba's threads (fusedrnn/cpu/lowlevel/gemm.py) against float64
+numpy (its packer: test_packing.py)."""
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.gemm import CHUNK, pack_input_weights, project
-from fusedrnn.cpu.microkernel import PANEL
+from fusedrnn.cpu.lowlevel import CHUNK, PANEL, pack_input_weights, project
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
 
@@ -30,16 +30,3 @@ def test_project_matches_float64_reference(dtype, rows, k, blocks):
     scale = np.abs(a).astype(np.float64) @ np.abs(np.concatenate(ws)).astype(np.float64).T
     assert np.isfinite(c).all()
     assert np.max(np.abs(c - want) / scale) <= TOL[dtype]
-
-
-def test_pack_pads_past_the_last_row_with_zeros():
-    w = np.arange(3 * 5, dtype=np.float64).reshape(3, 5) + 1
-    out = np.full((1, 5, PANEL), np.nan)
-    pack_input_weights([w], out)
-    np.testing.assert_array_equal(out[0, :, :3], w.T)
-    np.testing.assert_array_equal(out[0, :, 3:], 0)
-
-
-def test_pack_refuses_a_too_small_buffer():
-    with pytest.raises(ValueError, match="cannot hold 17 rows"):
-        pack_input_weights([np.ones((17, 4))], np.empty((1, 4, PANEL)))

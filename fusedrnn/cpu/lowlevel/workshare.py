@@ -1,17 +1,11 @@
 """The blocks of each time step shared among one parallel region's workers.
 
 The fused loops (fused.py) used to launch one Numba parallel region per step, and the
-region's end was the step's barrier. A launch on the workqueue layer costs ~36 us with
-an empty body and ~50 us per step of the real kernel (measured on the 2-core machine:
-rnn_relu at H=16..32, N=1, T=300, where the work itself is negligible), about 15 ms per
-layer-direction at T=300, a sixth of rnn_relu's whole loop at I=H=800. So the loop now
-runs in one region: each worker walks every step, takes blocks of the step, and waits
-at the step's end until all its blocks are done. Measured against the region-per-step
-kernels, the loops alone, T=300 N=20 I=H=800 float32, one process, median of 11
-interleaved (bitwise equal results): forward rnn_relu 88.4 -> 75.0 ms, GRU 192 -> 165,
-LSTM 231 -> 205; backward rnn_relu 98.1 -> 70.5, LSTM 259 -> 219; and the spread of
-the samples fell from about +-25% to +-5%. The T=1 step (GRU N=64 I=H=512, through
-the op) did not get slower: 1.89 and 2.35 ms against 1.79 and 1.68 in two rounds.
+region's end was the step's barrier. A launch costs tens of microseconds even with an
+empty body, a sizeable share of a small layer's loop at T=300. So the loop runs in one
+region: each worker walks every step, takes blocks of the step, and waits at the step's
+end until all its blocks are done. That made the loops faster and their times steadier.
+Measured: bench/results/cpu-kernel-notes.md#workshare-one-region-per-call
 
 Why the shared tiles and outputs need no more than this: Numba marks a parallel
 region's array arguments noalias, and LLVM could keep values of them in registers

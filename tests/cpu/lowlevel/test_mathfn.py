@@ -1,4 +1,4 @@
-"""fusedrnn.cpu.mathfn inside compiled code: fast_exp, sigmoid and tanh against float64
+"""fusedrnn.cpu.lowlevel.mathfn inside compiled code: fast_exp, sigmoid and tanh against float64
 numpy over a dense grid and at special values (saturation, NaN, the clamp bounds), the
 argument's precision kept (float32 in, float32 out), and a loop over a float32 array
 compiled to packed SIMD instructions."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import types
 
-from fusedrnn.cpu.mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
+from fusedrnn.cpu.lowlevel.mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
 
 # exp's documented normal range: 0 below LO, +inf above HI.
 LO = {np.float32: np.float32(-87.3), np.float64: -708.0}

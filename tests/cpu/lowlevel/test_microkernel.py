@@ -1,8 +1,8 @@
-"""fusedrnn.cpu.microkernel: the packed-panel GEMM kernel against float64 numpy for every
+"""fusedrnn.cpu.lowlevel.microkernel: the packed-panel GEMM kernel against float64 numpy for every
 row count up to two register tiles (and 20, the balanced 4 x 5 split), with a row
 stride of A wider than K and a C wider than the panels whose padding columns must stay
-untouched; its transposed-store form (panel_gemm_t) the same way; pack_columns and
-pack_rows element by element against their docstrings. Then what the module docstring
+untouched, over panels from packing.py's pack_recurrent and pack_recurrent_rows; its
+transposed-store form (panel_gemm_t) the same way. Then what the module docstring
 claims of the compiled code: the tile heights and the vector width (VECTOR_BITS, both
 widths on any CPU) are independent of the element size, and a tile's k-loop reloads
 nothing from the stack."""
@@ -16,8 +16,9 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.microkernel import (PANEL, ROWS, pack_columns, pack_rows, panel_gemm_for,
-                                      panel_gemm_t)
+from fusedrnn.cpu.lowlevel import gemm
+from fusedrnn.cpu.lowlevel import pack_input_weights, pack_recurrent, pack_recurrent_rows
+from fusedrnn.cpu.lowlevel.microkernel import PANEL, ROWS, panel_gemm_for, panel_gemm_t
 from conftest import fresh_compile, launch_fused
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
@@ -67,7 +68,7 @@ def test_panel_gemm_with_packed_columns_matches_numpy(dtype, rows, K, gates, H):
     rng = np.random.default_rng([rows, K, gates, H])
     a = rng.standard_normal((rows, K)).astype(dtype)
     w = rng.standard_normal((gates * H, K)).astype(dtype)
-    c = product(a, pack_columns(w, gates))
+    c = product(a, pack_recurrent(w, gates))
     B = -(-H // PANEL)
     # Expected, in C's layout: block b, gate g, unit u is column g*H + 16b + u of A @ W.T,
     # and exactly 0 for the padding units past H (their packed weights are 0).
@@ -86,12 +87,12 @@ def test_panel_gemm_with_packed_columns_matches_numpy(dtype, rows, K, gates, H):
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_panel_gemm_with_packed_rows_matches_numpy(dtype, rows, R):
-    """The backward product dg @ W (W (GH, R)) through pack_rows' panels."""
+    """The backward product dg @ W (W (GH, R)) through pack_recurrent_rows' panels."""
     GH = 3 * 7
     rng = np.random.default_rng([rows, R])
     dg = rng.standard_normal((rows, GH)).astype(dtype)
     w = rng.standard_normal((GH, R)).astype(dtype)
-    packed = pack_rows(w)
+    packed = pack_recurrent_rows(w)
     c = product(dg, packed[:, None])              # one "gate" per panel
     B = packed.shape[0]
     want = np.zeros((rows, B * PANEL))
@@ -99,35 +100,6 @@ def test_panel_gemm_with_packed_rows_matches_numpy(dtype, rows, R):
     want = want.reshape(rows, B, PANEL).transpose(1, 0, 2)
     assert panel_rel_err(c, want, 1) <= TOL[dtype]
     assert np.isnan(c[:, :, PANEL:]).all(), "padding columns of C were written"
-
-
-@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
-@pytest.mark.parametrize("gates", [1, 3])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_pack_columns_layout(dtype, gates, H):
-    """(ceil(H/16), gates, K, 16): out[b, g, k, u] = w[g*H + 16b + u, k], 0 past H."""
-    K = 5
-    w = np.random.default_rng([gates, H]).standard_normal((gates * H, K)).astype(dtype)
-    out = np.full((-(-H // PANEL), gates, K, PANEL), np.nan, dtype)
-    assert pack_columns(w, gates, out=out) is out
-    for b, g, k, u in np.ndindex(out.shape):
-        j = PANEL * b + u
-        assert out[b, g, k, u] == (w[g * H + j, k] if j < H else 0), (b, g, k, u)
-    assert np.array_equal(pack_columns(w, gates), out)
-
-
-@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_pack_rows_layout(dtype, R):
-    """(ceil(R/16), GH, 16): out[b, k, u] = w[k, 16b + u], 0 past R."""
-    GH = 12
-    w = np.random.default_rng(R).standard_normal((GH, R)).astype(dtype)
-    out = np.full((-(-R // PANEL), GH, PANEL), np.nan, dtype)
-    assert pack_rows(w, out=out) is out
-    for b, k, u in np.ndindex(out.shape):
-        j = PANEL * b + u
-        assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
-    assert np.array_equal(pack_rows(w), out)
 
 
 @functools.cache
@@ -159,7 +131,7 @@ def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K):
 # (in this process the kernels above have been typed already).
 SWAPPED_HEIGHTS = """
 import numpy as np, numba as nb
-from fusedrnn.cpu import microkernel as mk
+from fusedrnn.cpu.lowlevel import microkernel as mk
 mk.ROWS[np.dtype(np.float32)], mk.ROWS[np.dtype(np.float64)] = 3, 6
 for dtype in (np.float32, np.float64):
     gemm, size = mk.panel_gemm_for(dtype), np.dtype(dtype).itemsize
@@ -197,7 +169,7 @@ def test_tile_height_does_not_decide_the_element_size():
 
 TALL_TILE = """
 import numpy as np, numba as nb
-from fusedrnn.cpu import microkernel as mk
+from fusedrnn.cpu.lowlevel import microkernel as mk
 mk.ROWS[np.dtype(np.float32)] = 7
 gemm = mk.panel_gemm_for(np.float32)
 
@@ -249,13 +221,13 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
     from the stack per unrolled pair of k, and 2-7 in the fused loop. Fails if the tile is
     inlined again."""
-    from fusedrnn.cpu import fused, gemm
+    from fusedrnn.cpu import fused
     rng = np.random.default_rng(3)
     if kernel.startswith("projection"):
         dtype = np.float64 if kernel.endswith("float64") else np.float32
         a = rng.standard_normal((40, 24)).astype(dtype)
         w = rng.standard_normal((48, 24)).astype(dtype)
-        wpack = gemm.pack_input_weights([w], np.empty((3, 24, PANEL), dtype))
+        wpack = pack_input_weights([w], np.empty((3, 24, PANEL), dtype))
         c = np.full((40, 48), np.nan, dtype)
         gemm.project(a, wpack, c, np.empty((1, gemm.CHUNK, PANEL), dtype))
         np.testing.assert_allclose(c, a @ w.T, rtol=1e-5, atol=1e-5)
@@ -278,7 +250,7 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     ("+avx2,+fma,-avx512f", 256), ("+avx2,+fma,+avx512f,+avx512vl", 512),
     ("+sse4.2", 256), ("", 256), ("+avx512fp16,-avx512f", 256)])
 def test_vector_width_follows_the_targets_avx512f(monkeypatch, features, bits):
-    from fusedrnn.cpu import microkernel as mk
+    from fusedrnn.cpu.lowlevel import microkernel as mk
     monkeypatch.setattr(nb.config, "CPU_FEATURES", features)
     assert mk._target_vector_bits() == bits
 
@@ -288,7 +260,7 @@ def test_vector_width_follows_the_targets_avx512f(monkeypatch, features, bits):
 # products must be right, for every tile height and the transposed store.
 OTHER_WIDTH = """
 import numpy as np, numba as nb
-from fusedrnn.cpu import microkernel as mk
+from fusedrnn.cpu.lowlevel import microkernel as mk
 mk.VECTOR_BITS = 768 - mk.VECTOR_BITS
 mk.ROWS.update(mk.rows_for(mk.VECTOR_BITS))   # the heights that width runs with
 for dtype in (np.float32, np.float64):
@@ -319,7 +291,7 @@ print("ok", mk.VECTOR_BITS, mk.ROWS[np.dtype(np.float64)])
 def test_the_other_vector_width_computes_the_same():
     """Both widths, each with its own tile heights, run wherever CI runs, whichever its
     CPU picks."""
-    from fusedrnn.cpu import microkernel as mk
+    from fusedrnn.cpu.lowlevel import microkernel as mk
     done = subprocess.run([sys.executable, "-c", OTHER_WIDTH], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -4,16 +4,8 @@ The fused loops (fused.py) gather each step's inputs of a 16-unit block into its
 and scatter the results back out: per sample, a handful of 16-element rows. Written
 as Numba loops over u these compiled to scalar code (LLVM cannot prove that the tile
 and the arrays do not overlap, so it neither vectorises nor reorders them), and cost
-more than the cell math itself. Measured on the 2-core machine, T=300 N=20 I=H=800
-float32, the forward loop without its gather and scatter against the whole: rnn_relu
-59.7 against 109 ms, GRU 180 against 260 ms, LSTM 252 against 308 ms (the GEMM part
-alone: 76, 200 ms for rnn_relu, LSTM). With these moves, the loops alone, element-wise
-kernels against these in one process, median of 11 interleaved (bitwise equal results):
-    forward, float32   rnn_relu 97.8 -> 84.3 ms, GRU 241 -> 226, LSTM 327 -> 316
-      with the record  rnn_relu 110 -> 97, GRU 256 -> 242, LSTM 375 -> 314
-    forward, float64   GRU 1787 -> 776 ms (1975 -> 876 with the record); LSTM, tanh level
-    backward, float32  rnn_relu 127 -> 108 ms, GRU 238 -> 214, LSTM 312 -> 289
-    backward, float64  level (LSTM 1157 / 1196, GRU 1032 / 1011)
+more than the cell math itself; as vector moves they cost a fraction of it.
+Measured: bench/results/cpu-kernel-notes.md#rows-vector-row-moves
 
 A whole row (width 16) is one vector load per operand and one vector store. A partial
 block's row (the last block when H % 16 != 0) goes lane by lane, and lanes at or past

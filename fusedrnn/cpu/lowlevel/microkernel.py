@@ -1,66 +1,36 @@
 """A register-tiled GEMM micro-kernel against pre-packed weights, for the fused CPU steps.
 
-Why not numpy's BLAS per step: the recurrent product is (N, K) @ (K, G*H) with N small
-(20 in the design-doc case), and OpenBLAS re-packs the whole weight matrix on every
-call; measured on the 2-core machine at N=20 K=800 (float32), `np.matmul` runs at
-48 GFLOP/s for G*H=3200 and 55 GFLOP/s for 800, a quarter of its 2048^3 rate. The
-weights do not change during a call, so we pack them once into 16-column panels and
-run this kernel over them. Measured on that machine: one core runs the kernel at
-80-90 GFLOP/s while a panel set stays in L1-L3 (2.6 MB), 50-60 when it streams 10 MB
-per pass; at the LSTM shape above, 2 threads, 60-93 GFLOP/s against numpy's 46-65
-(`python -m fusedrnn.benchmark.microkernel`; the machine is shared and these spread
-widely). In float64 numpy's dgemm is as fast or faster at these shapes; the fused loop
-still wins there by keeping W_h h in a cache-resident tile and skipping a second parallel
-region.
+Why not numpy's BLAS per step: the recurrent product is (N, K) @ (K, G*H) with N small,
+and OpenBLAS re-packs the whole weight matrix on every call, running at a quarter of its
+large-matrix rate. The weights do not change during a call, so we pack them once into
+16-column panels (packing.py) and run this kernel over them. In float64 numpy's dgemm is
+as fast or faster at these shapes; the fused loop still wins there by keeping W_h h in
+a cache-resident tile and skipping a second parallel region.
+Measured: bench/results/cpu-kernel-notes.md#microkernel-why-not-blas-per-step
 
 Numba cannot keep a tile of accumulators in vector registers on its own (its loop
 vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
 as LLVM IR through a Numba intrinsic: MR x (16 / lanes) vector accumulators, one
 broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one).
 
-The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256:
-float32 runs 6 rows x 1 zmm (6 accumulators; LLVM folds the broadcast into the FMA as
-an embedded {1to16} operand), float64 6 rows x 2 zmm. Measured on the Zen 4 machine
-(which executes a 512-bit FMA as two 256-bit halves, so the peak is the same), the
-projection alone, M=2880 K=800 C=3200 float32, median of 11: 2 threads 148 GFLOP/s
-with 6 x 2 ymm, 194 with 6 x 1 zmm, 187 with 8 rows, 176 with 12, numpy's sgemm 189 in
-the same run; one thread 85 / 97 / 100 / 95 against numpy's 102. Why, we have not
-measured; our guess is that half the instructions per FMA leave the out-of-order window
-room to hide the panel's L2 latency. Through the
-op, T=300 N=20 I=H=800 inference, 3 alternating process pairs against 6 x 2 ymm: LSTM
-431/494/443 -> 370/384/401 ms, GRU 345/309/313 -> 291/276/313 ms; float64 rnn_relu and
-GRU within noise (3 x 2 zmm against 3 x 4 ymm). float64's 6 rows: the projection alone
-(M=6000 K=800 C=3200, 2 threads, median of 7) 93.8 GFLOP/s with 3 rows, 92.0 with 4,
-98.8 with 6, numpy's dgemm 105-109; in the fused loop alone 3 and 6 rows time the same.
-At 512 bits float64 also takes this kernel for its input projection
-(FusedLayer.projects_input gives that measurement). Results are bitwise equal at either
-width (the same FMAs in the same order per element). Only Zen 4 was measured: on an
-Intel CPU with AVX-512 (two 512-bit FMA ports on some parts, lower clocks under 512-bit
-load on others) the rule is untested.
-
-With AVX2 (16 registers), float32 runs 6 rows x 2 ymm: 12 accumulators, 2 panel vectors
-and a broadcast fit. float64 runs 3 rows x 4 ymm, which needs 17, so LLVM keeps one
-accumulator on the stack. A spill-free float64 tile (6 rows x 2 ymm, two passes over
-the panel's halves) was tried on 2026-11-23. It raised fusedrnn/benchmark/microkernel.py
-at 800 columns from 14-15 to 22-31 GFLOP/s, but the op did not move: GRU float64 T=300
-N=20 I=H=800 took 1.58-1.74 s against 1.64-1.79 s (3 alternating runs each), and the T=1 GRU
-step at N=64 took 7.2-7.3 ms with either. At the op's shapes something other than the
-tile's arithmetic limits float64, so the simpler kernel stays. With 256-bit vectors on
-AVX-512VL (32 registers) a 6 x 4 ymm float64 tile (29 registers; 4 passes over each panel
-at 20 rows, not 7) was tried on 2026-11-24: the rnn_relu float64 loop alone (T=300 N=20
-I=H=800, 3 alternating processes) took 172-199 ms against 157-171 ms with 3 rows.
+The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256.
+At 512 bits float32 runs 6 rows x 1 zmm (LLVM folds the broadcast into the FMA as an
+embedded {1to16} operand) and float64 6 rows x 2 zmm; at 256 bits (AVX2, 16 registers)
+float32 runs 6 rows x 2 ymm (12 accumulators, 2 panel vectors and a broadcast fit) and
+float64 3 rows x 4 ymm, which needs 17, so LLVM keeps one accumulator on the stack: the
+spill-free float64 tiles tried did not make the op faster. At 512 bits float64 also takes
+this kernel for its input projection (FusedLayer.projects_input). Results are bitwise
+equal at either width (the same FMAs in the same order per element). Only Zen 4 was
+measured with AVX-512; on Intel's AVX-512 parts the rule is untested.
+Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights
 
 Each tile is emitted once per LLVM module as its own `noinline` function, called from
-the kernels that use it. Inlined (before 2026-11-24), the k-loop shared the 16 general
-registers with the enclosing kernel's live values, and LLVM reloaded row addresses from
-the stack inside it: in the asm of the projection's kernel 8 stack loads per unrolled
-pair of k beside 16 broadcasts, in the fused rnn_relu forward 1-7 per loop. As a
-function it needs 9 and reloads none (tests/cpu/test_microkernel.py checks the asm).
-Measured on the Zen 4 machine: the projection alone (M=3000 K=800 C=3200 float32, one
-thread, median of 11-15) 88.8 -> 98.9 GFLOP/s, numpy's sgemm 103-107; through the op,
-T=300 N=20 I=H=800 inference, 3 alternating process pairs, LSTM 363/401/388 -> 352/392/342
-ms and GRU 299/310/277 -> 260/269/288 ms, outputs bitwise equal. A call costs a few
-cycles against a k-loop of K iterations.
+the kernels that use it, so that its k-loop has the 16 general registers to itself:
+inlined, it shared them with the enclosing kernel's live values and LLVM reloaded row
+addresses from the stack inside it. As a function it needs 9 and reloads none
+(tests/cpu/lowlevel/test_microkernel.py checks the asm). A call costs a few cycles
+against a k-loop of K iterations.
+Measured: bench/results/cpu-kernel-notes.md#microkernel-the-tile-as-a-noinline-function
 
 panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     a      address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
@@ -75,8 +45,8 @@ panel_gemm_t(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
     forward_single): A is raw weight rows, read in place, and the panel 16 samples of
     the input as columns.
 
-The kernels of fused.py and gemm.py inline this file's code; jitcache.py makes an edit
-here retire their disk-cached machine code.
+The kernels of ../fused.py and gemm.py inline this file's code; ../jitcache.py makes an
+edit here retire their disk-cached machine code.
 """
 from __future__ import annotations
 
@@ -88,8 +58,8 @@ from numba.core import cgutils
 from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic, overload
 
-__all__ = ["PANEL", "ROWS", "VECTOR_BITS", "rows_for", "panel_gemm", "panel_gemm_t",
-           "panel_gemm_for", "pack_columns", "pack_rows"]
+__all__ = ["PANEL", "ROWS", "VECTOR_BITS", "rows_for", "tile_settings", "panel_gemm",
+           "panel_gemm_t", "panel_gemm_for"]
 
 PANEL = 16                                        # columns per packed panel
 
@@ -106,17 +76,22 @@ def _target_vector_bits():
 
 def rows_for(vector_bits):
     """MR, rows per register tile, per dtype at a vector width. float64 at 512 bits: 6 x
-    2 zmm, 12 accumulators of 32 registers (module docstring); at 256 bits 6 rows would
-    need 24 of 16."""
+    2 zmm, 12 accumulators of 32 registers; at 256 bits 6 rows would need 24 of 16.
+    Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights"""
     return {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if vector_bits == 512 else 3}
 
 
-# Vector width of the tile's accumulators and panel loads (module docstring: the
-# measurement behind 512), and the tile heights. Both are read when a tile is compiled,
+# Vector width of the tile's accumulators and panel loads, and the tile heights. Both are read when a tile is compiled,
 # and jitcache.py puts both in the disk cache's stamp, so a process that overrides them
 # neither loads nor leaves behind machine code compiled for other values.
 VECTOR_BITS = _target_vector_bits()
 ROWS = rows_for(VECTOR_BITS)
+
+
+def tile_settings():
+    """(VECTOR_BITS, ROWS as sorted (dtype name, rows) pairs), read now: the settings
+    compiled tiles depend on, which a process may override (jitcache.py's stamp)."""
+    return VECTOR_BITS, tuple(sorted((str(dtype), mr) for dtype, mr in ROWS.items()))
 
 
 def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):
@@ -220,7 +195,7 @@ _tileT1, _tileT2, _tileT3, _tileT4, _tileT5, _tileT6 = (_tile_intrinsic(r, True)
 
 def _tile_params(like):
     """(rows per register tile, element size in bytes) for like's dtype: each from the
-    dtype itself, neither from the other (a259e6a)."""
+    dtype itself, neither from the other."""
     dtype = np.dtype(type(like))
     return ROWS[dtype], dtype.itemsize
 
@@ -295,32 +270,3 @@ def panel_gemm_for(dtype):
     def bound(a, lda, rows, panel, c, ldc, k):
         panel_gemm(a, lda, rows, panel, c, ldc, k, zero)
     return bound
-
-
-def pack_columns(w, gates, out=None):
-    """Pack B = w.T for the forward product h @ w.T, where w (gates*H, K) holds `gates`
-    row blocks of H. Returns (ceil(H/16), gates, K, 16): panel [b, g] holds gate g's
-    units 16b..16b+15, so one block of units has all its gates' columns together.
-    Units past H are zero."""
-    GH, K = w.shape
-    H = GH // gates
-    blocks = -(-H // PANEL)
-    if out is None:
-        out = np.empty((blocks, gates, K, PANEL), dtype=w.dtype)
-    padded = np.zeros((gates, blocks * PANEL, K), dtype=w.dtype)
-    padded[:, :H] = w.reshape(gates, H, K)
-    out[...] = padded.reshape(gates, blocks, PANEL, K).transpose(1, 0, 3, 2)
-    return out
-
-
-def pack_rows(w, out=None):
-    """Pack B = w for the backward product dg @ w, w (GH, R). Returns (ceil(R/16), GH, 16):
-    panel b holds columns 16b..16b+15 of w (output units), zero past R."""
-    GH, R = w.shape
-    blocks = -(-R // PANEL)
-    if out is None:
-        out = np.empty((blocks, GH, PANEL), dtype=w.dtype)
-    padded = np.zeros((GH, blocks * PANEL), dtype=w.dtype)
-    padded[:, :R] = w
-    out[...] = padded.reshape(GH, blocks, PANEL).transpose(1, 0, 2)
-    return out

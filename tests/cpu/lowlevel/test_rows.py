@@ -1,11 +1,11 @@
-"""fusedrnn.cpu.rows: each row move for every width 0..16 and both dtypes, at unaligned
+"""fusedrnn.cpu.lowlevel.rows: each row move for every width 0..16 and both dtypes, at unaligned
 addresses, into a NaN-poisoned buffer whose elements past the width (and just before
 the row) must stay as they were; in-place adds; the sums in the documented order."""
 import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.rows import row_add, row_add3, row_copy
+from fusedrnn.cpu.lowlevel.rows import row_add, row_add3, row_copy
 
 OFFSET = 3   # rows start 3 elements into their buffers: no alignment is assumed
 

@@ -1,24 +1,16 @@
 """The input projection W_x x_t of every step, as one GEMM on Numba's threads.
 
 Why not numpy's matmul, which is as fast on its own: OpenBLAS's threads spin for about
-0.1 s after each call (its THREAD_TIMEOUT, 2^28 cycles, read once at start-up), and the
-fused loop that follows competes with them for the same 2 cores. Measured on the 2-core
-machine, rnn_relu T=300 N=20 I=H=800 float32: the fused loop takes 210 ms right after an
-OpenBLAS GEMM and 143 ms when started 0.3 s later (132 ms with OPENBLAS_THREAD_TIMEOUT=4,
-which a library cannot set). Running the projection with the fused loop's own
-micro-kernel keeps an inference call on one thread pool. That holds in float32, and in
-float64 where the tiles are 512 bits wide; with 256-bit float64 tiles this kernel ran at
-about half of numpy's dgemm, which won despite its spinning threads
-(FusedLayer.projects_input gives the measurements).
-
-pack_input_weights(ws, out)
-    ws     sequence of (G*H, K) arrays, the input weights of each direction, in order
-    out    (P, K, 16) scratch, P = ceil(len(ws)*G*H / 16): panel p holds output columns
-           16p..16p+15 of the concatenated rows as columns of W^T, zero past the end
+0.1 s after each call (its THREAD_TIMEOUT, read once at start-up), and the fused loop
+that follows competes with them for the cores. On the fused loop's own micro-kernel an
+inference call stays on one thread pool. FusedLayer.projects_input uses it in float32,
+and in float64 where the tiles are 512 bits wide (with 256-bit float64 tiles numpy's
+dgemm won despite its spinning threads).
+Measured: bench/results/cpu-kernel-notes.md#gemm-the-input-projection
 
 project(a, wpack, c, spill)
     a      (M, K)   in   rows of x (contiguous rows, unit column stride)
-    wpack  (P, K, 16) in pack_input_weights's layout
+    wpack  (P, K, 16) in packing.pack_input_weights's layout
     c      (M, C)   out  a @ W^T, C = the concatenated row count; every element written
     spill  (ceil(M/CHUNK), CHUNK, 16) scratch for a partial last panel (C % 16 != 0)
     One dtype throughout (float32 or float64); c overlaps nothing.
@@ -28,45 +20,16 @@ from __future__ import annotations
 import numba as nb
 from numba import prange
 
+from ..threads import LAUNCH_LOCK
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
-from .threads import LAUNCH_LOCK
 
-__all__ = ["CHUNK", "pack_input_weights", "project"]
+__all__ = ["CHUNK", "project"]
 
 # Rows per parallel work item: a multiple of both register-tile heights (6 and 3), and
 # small enough that a chunk of A (96 x 800 floats, 300 KB) stays in the 1 MB L2 while
 # every panel of W passes over it once.
 CHUNK = 96
-
-
-def pack_input_weights(ws, out):
-    """Pack the concatenated rows of `ws` into `out` (module docstring)."""
-    total = sum(w.shape[0] for w in ws)
-    if out.shape[0] * PANEL < total or out.shape[1] != ws[0].shape[1]:
-        raise ValueError(f"pack_input_weights: out {out.shape} cannot hold {total} rows "
-                         f"of length {ws[0].shape[1]}")
-    with LAUNCH_LOCK:
-        tail = out.shape[0] * PANEL - total
-        if tail:
-            out[-1] = 0
-        row0 = 0
-        for w in ws:
-            _pack_rows_at(w, row0, out)
-            row0 += w.shape[0]
-    return out
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def _pack_rows_at(w, row0, out):
-    rows, K = w.shape
-    first, last = row0 // PANEL, (row0 + rows - 1) // PANEL
-    for p in prange(first, last + 1):
-        for k in range(K):
-            for u in range(PANEL):
-                r = p * PANEL + u - row0
-                if 0 <= r < rows:
-                    out[p, k, u] = w[r, k]
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -99,7 +62,7 @@ def _project(a, wpack, c, spill):
 
 
 def project(a, wpack, c, spill):
-    """c = a @ W^T with W packed by pack_input_weights (module docstring)."""
+    """c = a @ W^T with W packed by packing.pack_input_weights (module docstring)."""
     with LAUNCH_LOCK:
         _project(a, wpack, c, spill)
     return c

@@ -1,4 +1,4 @@
-"""fusedrnn.cpu.workshare: how the fused loops' workers share each step's blocks.
+"""fusedrnn.cpu.lowlevel.workshare: how the fused loops' workers share each step's blocks.
 
 (a) claim, driven serially and round-robin from compiled drivers: every block of every
     step is taken exactly once; each worker takes blocks of its own share first and in
@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.workshare import LINE, claim, new_counters
+from fusedrnn.cpu.lowlevel.workshare import LINE, claim, new_counters
 
 
 @nb.njit

@@ -1,0 +1,127 @@
+"""Every weight packer of the CPU kernels: matrices laid out as the micro-kernel's panels.
+
+A panel is (K, PANEL) contiguous: 16 columns of the right-hand factor B, so the
+micro-kernel (microkernel.py) loads one 16-wide row of it per k. Weights do not change
+during a call, so each is packed once per call and read by every step.
+
+panels(units) -> B = ceil(units / 16), the panels covering `units` columns
+
+pack_recurrent(w_h, gates, out=None)
+    w_h    (G*H, K)         in   W_h (or any G row blocks of H)
+    out    (B, G, K, 16)    out  panel [b, g]: gate g's units 16b..16b+15 as columns of
+                                 W_h^T, zero past H (one block of units has all its
+                                 gates' columns together); allocated when None
+
+pack_recurrent_rows(w_h, out=None)
+    w_h    (G*H, R)         in
+    out    (B, G*H, 16)     out  panel b: columns 16b..16b+15 of W_h (the backward product
+                                 dg @ W_h), zero past R; allocated when None
+
+pack_input_weights(ws, out)
+    ws     sequence of (G*H, K) arrays, the input weights of each direction, in order
+    out    (P, K, 16)       out  P = ceil(len(ws)*G*H / 16): panel p holds rows
+                                 16p..16p+15 of the concatenated ws as columns, zero past
+                                 the end (no padding between directions)
+
+pack_panel(w, r0, width, out)  (inline Numba function, for use inside a kernel)
+    w      (R, K)           in
+    out    (K, 16)          out  rows r0..r0+width-1 of w as columns, zero past width
+
+Arrays of one dtype (float32 or float64), C-contiguous; out overlaps nothing.
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import prange
+
+from ..threads import LAUNCH_LOCK
+from .microkernel import PANEL
+
+__all__ = ["pack_input_weights", "pack_panel", "pack_recurrent", "pack_recurrent_rows",
+           "panels"]
+
+
+def panels(units):
+    """B: panels of 16 covering `units`."""
+    return -(-units // PANEL)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _pack_recurrent(w, gates, out):
+    H, K = w.shape[0] // gates, w.shape[1]
+    for b in prange(out.shape[0]):
+        for g in range(gates):
+            for k in range(K):
+                for u in range(PANEL):
+                    j = b * PANEL + u
+                    out[b, g, k, u] = w[g * H + j, k] if j < H else 0
+
+
+def pack_recurrent(w_h, gates, out=None):
+    """W_h (G*H, K) -> (B, G, K, 16) (module docstring)."""
+    if out is None:
+        out = np.empty((panels(w_h.shape[0] // gates), gates, w_h.shape[1], PANEL), w_h.dtype)
+    with LAUNCH_LOCK:
+        _pack_recurrent(w_h, gates, out)
+    return out
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _pack_recurrent_rows(w, out):
+    GH, R = w.shape
+    for b in prange(out.shape[0]):
+        for k in range(GH):
+            for u in range(PANEL):
+                j = b * PANEL + u
+                out[b, k, u] = w[k, j] if j < R else 0
+
+
+def pack_recurrent_rows(w_h, out=None):
+    """W_h (G*H, R) -> (B, G*H, 16) (module docstring)."""
+    if out is None:
+        out = np.empty((panels(w_h.shape[1]), w_h.shape[0], PANEL), w_h.dtype)
+    with LAUNCH_LOCK:
+        _pack_recurrent_rows(w_h, out)
+    return out
+
+
+def pack_input_weights(ws, out):
+    """The concatenated rows of `ws` -> out (P, K, 16) (module docstring)."""
+    total = sum(w.shape[0] for w in ws)
+    if out.shape[0] * PANEL < total or out.shape[1] != ws[0].shape[1]:
+        raise ValueError(f"pack_input_weights: out {out.shape} cannot hold {total} rows "
+                         f"of length {ws[0].shape[1]}")
+    with LAUNCH_LOCK:
+        tail = out.shape[0] * PANEL - total
+        if tail:
+            out[-1] = 0
+        row0 = 0
+        for w in ws:
+            _pack_rows_at(w, row0, out)
+            row0 += w.shape[0]
+    return out
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _pack_rows_at(w, row0, out):
+    rows, K = w.shape
+    first, last = row0 // PANEL, (row0 + rows - 1) // PANEL
+    for p in prange(first, last + 1):
+        for k in range(K):
+            for u in range(PANEL):
+                r = p * PANEL + u - row0
+                if 0 <= r < rows:
+                    out[p, k, u] = w[r, k]
+
+
+@nb.njit(inline="always")
+def pack_panel(w, r0, width, out):
+    """out (K, 16) = rows r0..r0+width-1 of w (R, K) as columns, zero past width."""
+    for u in range(PANEL):
+        if u < width:
+            for k in range(w.shape[1]):
+                out[k, u] = w[r0 + u, k]
+        else:
+            for k in range(w.shape[1]):
+                out[k, u] = 0

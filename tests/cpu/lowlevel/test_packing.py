@@ -1,0 +1,105 @@
+"""fusedrnn.cpu.lowlevel.packing: each packer's layout against a plain numpy reference,
+into NaN-poisoned buffers (every element must be written, padding as exact zeros)."""
+import numba as nb
+import numpy as np
+import pytest
+
+from fusedrnn.config import CELLS
+from fusedrnn.cpu.lowlevel import (PANEL, pack_input_weights, pack_panel, pack_recurrent,
+                                   pack_recurrent_rows, panels)
+
+DTYPES = [np.float32, np.float64]
+
+
+def reference_columns(w, gates):
+    """(B, G, K, 16): out[b, g, k, u] = w[g*H + 16b + u, k], 0 past H."""
+    GH, K = w.shape
+    H = GH // gates
+    padded = np.zeros((gates, panels(H) * PANEL, K), w.dtype)
+    padded[:, :H] = w.reshape(gates, H, K)
+    return padded.reshape(gates, panels(H), PANEL, K).transpose(1, 0, 3, 2)
+
+
+def reference_rows(w):
+    """(B, GH, 16): out[b, k, u] = w[k, 16b + u], 0 past R."""
+    GH, R = w.shape
+    padded = np.zeros((GH, panels(R) * PANEL), w.dtype)
+    padded[:, :R] = w
+    return padded.reshape(GH, panels(R), PANEL).transpose(1, 0, 2)
+
+
+def test_panels():
+    assert [panels(n) for n in (1, 15, 16, 17, 32, 33)] == [1, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("mode", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_recurrent_layout(dtype, mode, H):
+    G, K = CELLS[mode].gates, 7
+    w = np.random.default_rng([G, H]).standard_normal((G * H, K)).astype(dtype)
+    out = np.full((panels(H), G, K, PANEL), np.nan, dtype)
+    assert pack_recurrent(w, G, out) is out
+    assert np.array_equal(out, reference_columns(w, G))
+    for b, g, k, u in np.ndindex(out.shape):   # the docstring's formula, element by element
+        j = PANEL * b + u
+        assert out[b, g, k, u] == (w[g * H + j, k] if j < H else 0), (b, g, k, u)
+    allocated = pack_recurrent(w, G)
+    assert allocated.dtype == dtype and np.array_equal(allocated, out)
+
+
+@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_recurrent_rows_layout(dtype, R):
+    GH = 9
+    w = np.random.default_rng(R).standard_normal((GH, R)).astype(dtype)
+    out = np.full((panels(R), GH, PANEL), np.nan, dtype)
+    assert pack_recurrent_rows(w, out) is out
+    assert np.array_equal(out, reference_rows(w))
+    for b, k, u in np.ndindex(out.shape):
+        j = PANEL * b + u
+        assert out[b, k, u] == (w[k, j] if j < R else 0), (b, k, u)
+    allocated = pack_recurrent_rows(w)
+    assert allocated.dtype == dtype and np.array_equal(allocated, out)
+
+
+@pytest.mark.parametrize("blocks", [[1], [16], [3, 3], [24, 24], [80, 80], [99]])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_input_weights_layout(dtype, blocks):
+    """The directions' rows concatenated, no padding between them, zero past the end."""
+    K = 5
+    rng = np.random.default_rng(sum(blocks))
+    ws = [rng.standard_normal((n, K)).astype(dtype) for n in blocks]
+    out = np.full((panels(sum(blocks)), K, PANEL), np.nan, dtype)
+    assert pack_input_weights(ws, out) is out
+    assert np.array_equal(out, reference_columns(np.concatenate(ws), 1)[:, 0])
+
+
+def test_pack_input_weights_pads_past_the_last_row_with_zeros():
+    w = np.arange(3 * 5, dtype=np.float64).reshape(3, 5) + 1
+    out = np.full((1, 5, PANEL), np.nan)
+    pack_input_weights([w], out)
+    np.testing.assert_array_equal(out[0, :, :3], w.T)
+    np.testing.assert_array_equal(out[0, :, 3:], 0)
+
+
+def test_pack_input_weights_refuses_a_too_small_buffer():
+    with pytest.raises(ValueError, match="cannot hold 17 rows"):
+        pack_input_weights([np.ones((17, 4))], np.empty((1, 4, PANEL)))
+
+
+@nb.njit
+def _pack_panels(w, out):
+    """pack_panel over w's rows, 16 at a time, as the T=1 fused form calls it."""
+    R = w.shape[0]
+    for p in range(out.shape[0]):
+        pack_panel(w, p * PANEL, min(PANEL, R - p * PANEL), out[p])
+
+
+@pytest.mark.parametrize("R", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_panel_layout(dtype, R):
+    w = np.random.default_rng(R).standard_normal((R, 6)).astype(dtype)
+    out = np.full((panels(R), 6, PANEL), np.nan, dtype)
+    _pack_panels(w, out)
+    assert np.array_equal(out, reference_columns(w, 1)[:, 0])
