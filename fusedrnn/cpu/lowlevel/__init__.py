@@ -10,6 +10,17 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
     workshare    claim, finish, new_counters: the steps' blocks shared in one region
     mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math
 
+Words, each in one sense here and in fused.py (three of them used to have several):
+    panel        16 columns of a weight, packed (K, 16) contiguous: what the micro-kernel
+                 multiplies against; a block of 16 hidden units owns one panel per gate
+    register tile  the micro-kernel's accumulators: ROWS rows of A x 16 columns
+    block tile   fused.py's per-block scratch (`tiles`): one 256-wide row per sample
+                 holding a block's gates, states and record while the cell runs
+    spill        gemm's scratch for the partial last panel of the input projection
+    row          up to 16 contiguous elements of one sample (rows.py moves them); A's
+                 rows and ROWS (tile heights) count samples; pack_recurrent_rows packs
+                 W_h's columns for the backward product dg @ W_h
+
 VECTOR_BITS here is the value at import; microkernel.VECTOR_BITS is the setting a
 process may override before it compiles a tile (tile_settings() reads it).
 """
