@@ -21,8 +21,9 @@ Groups (full / --quick sizes):
   hidden      LSTM inference, H = 256, 512, 1024, 2048 at T=50 N=64 (quick: H=128,256 at T=20)
   float64     the design-doc single-layer case of each mode in float64, inference and
               training (quick: T=20, I=H=128), whatever --dtype says
-  seq2seq     the decoder step T=1 N=64 I=H=512 (GRU and LSTM, microseconds per call) and
-              the encoder T=50 N=64 I=256 H=512 2-layer GRU (quick: T=20)
+  seq2seq     the decoder step T=1 N=64 I=H=512 (GRU and LSTM, microseconds per call), the
+              per-call floor T=1 N=1 I=H=8 (LSTM inference and training) and the encoder
+              T=50 N=64 I=256 H=512 2-layer GRU (quick: T=20)
   cold        first use: import, the first inference call and the first training step in
               a fresh process, with an empty kernel cache and with a warm one (quick: warm
               only), seconds
@@ -160,7 +161,8 @@ def _hidden(quick, device):
 
 def _seq2seq(quick, device):
     return [Case("seq2seq", mode, 1, 64, 512, 512, per_call=True) for mode in ("gru", "lstm")] + [
-        Case("seq2seq", "gru", 20 if quick else 50, 64, 256, 512, L=2)]
+        Case("seq2seq", "lstm", 1, 1, 8, 8, train=train, per_call=True) for train in (False, True)
+    ] + [Case("seq2seq", "gru", 20 if quick else 50, 64, 256, 512, L=2)]
 
 
 def _cold(quick, device):

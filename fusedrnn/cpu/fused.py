@@ -86,9 +86,10 @@ def _columns(*groups):
     return tuple(np.uint64(group * PANEL) for group in groups)
 
 
-def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
+def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=True):
     """layer_forward (module docstring), or with single_step its T=1 form, which takes
-    the layer input and the raw weights (FusedLayer.forward_single says why)."""
+    the layer input and the raw weights (FusedLayer.forward_single says why). Without
+    `parallel`, plain serial code (FusedLayer._serial says when)."""
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
@@ -102,6 +103,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                       clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters,
                       workers):
+        if not parallel:   # (also keeps the two builds apart in Numba's cache index)
+            workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         K = x.shape[1]
         x_col, y_col = d * gates * H, d * H
@@ -209,10 +212,10 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step):
                                          trow + (_S + k) * PANEL * itemsize, width, like)
                 finish(counters, step, done, blocks)
 
-    return nb.njit(parallel=True, cache=True, nogil=True)(layer_forward)
+    return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_forward)
 
 
-def _make_layer_backward(mode, gates, saved_width, dtype):
+def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
     """The backward twin of layer_forward (arguments: FusedLayer.backward)."""
     itemsize = np.dtype(dtype).itemsize
     row = TILE_GROUPS * PANEL
@@ -228,6 +231,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
     def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
                        dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, counters,
                        workers):
+        if not parallel:
+            workers = 1
         T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
         GH = gates * H
         col, y_col = d * GH, d * H
@@ -325,14 +330,26 @@ def _make_layer_backward(mode, gates, saved_width, dtype):
                             row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
                 finish(counters, step, done, blocks)
 
-    return nb.njit(parallel=True, cache=True, nogil=True)(layer_backward)
+    return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_backward)
 
 
-def _workshare(steps, blocks):
+def _workshare(steps, blocks, serial=False):
     """(counters, workers) for one launch (workshare.py): as many workers as the calling
-    thread's Numba thread count, at most one per block."""
-    workers = max(1, min(nb.get_num_threads(), blocks))
+    thread's Numba thread count, at most one per block; one for a serial build."""
+    workers = 1 if serial else max(1, min(nb.get_num_threads(), blocks))
     return new_counters(steps, workers), workers
+
+
+# At T=1 small calls run serial builds of the single-step forward and of the backward
+# (compiled on first use): launching a parallel region wakes the workqueue's sleeping
+# workers, 60-70 us on the 2-core machine, more than such a step's work. The forward
+# goes serial up to SERIAL_WORK multiply-adds (N*G*H*(H+K)), the backward, pointwise
+# alone at T=1, up to SERIAL_POINTWISE gate values (N*G*H). Not at T > 1: the serial
+# build's cell loop is scalar (it lacks the region's noalias arguments), and there the
+# region wins from a few thousand multiply-adds per call.
+# Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-single-steps
+SERIAL_WORK = 1 << 19
+SERIAL_POINTWISE = 1 << 14
 
 
 class FusedLayer:
@@ -353,12 +370,15 @@ class FusedLayer:
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))
+        self._forward_single_serial = _make_layer_forward(
+            MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, True, parallel=False)
         self._no_weights = np.empty((0, 0), self.dtype)        # unused inputs of either form
         self._no_panels = np.empty((0, 0, 0), self.dtype)
         self._no_xproj = np.empty((0, 0, 0), self.dtype)
         self._no_wpack = np.empty((0, 0, 0, 0), self.dtype)
-        self._backward = _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved,
-                                              self.dtype)
+        self._backward, self._backward_serial = (
+            _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel)
+            for parallel in (True, False))
 
     def forward_scratch(self, config, steps, batch):
         """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
@@ -427,15 +447,16 @@ class FusedLayer:
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
         scalar = self.dtype.type
         K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
-        share = _workshare(1, tiles.shape[0])
+        N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
+        serial = N * GH * (H + K) <= SERIAL_WORK
+        kernel = self._forward_single_serial if serial else self._forward_single
+        share = _workshare(1, tiles.shape[0], serial)
         with LAUNCH_LOCK:
-            self._forward_single(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved,
-                                 tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags,
-                                 np.ascontiguousarray(x2d), np.ascontiguousarray(w_x),
-                                 np.ascontiguousarray(w_h),
-                                 scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K,
-                                                                                      PANEL),
-                                 h_cols, *share)
+            kernel(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
+                   scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
+                   np.ascontiguousarray(w_x), np.ascontiguousarray(w_h),
+                   scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
+                   h_cols, *share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
@@ -454,13 +475,18 @@ class FusedLayer:
             scratch     .tiles (B, N, 256) and .wpack_rows, as carved
         On exit dh_0 = dg_first @ W_h + dh_carry, where dg_first is dgh (or dgx) at the
         direction's first step; the caller runs that last GEMM."""
-        wpack_rows = pack_recurrent_rows(w_h, scratch.wpack_rows)
+        T, N, GH = dy.shape[0], dy.shape[1], w_h.shape[0]
+        # At T=1 the loop never multiplies by W_h (its one step takes dh_rec0), so nothing
+        # is packed, and the pointwise work alone decides the build.
+        wpack_rows = scratch.wpack_rows if T == 1 else pack_recurrent_rows(w_h,
+                                                                           scratch.wpack_rows)
+        serial = T == 1 and N * GH <= SERIAL_POINTWISE
+        kernel = self._backward_serial if serial else self._backward
         scalar = self.dtype.type
-        share = _workshare(dy.shape[0], wpack_rows.shape[0])
+        share = _workshare(T, wpack_rows.shape[0], serial)
         with LAUNCH_LOCK:
-            self._backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                           dc_carry, scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi),
-                           clip_flags, *share)
+            kernel(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
+                   scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags, *share)
 
 
 _layers: dict = {}

@@ -18,7 +18,7 @@ import pytest
 import fusedrnn
 from conftest import MODES, make_case, rel_err
 from fusedrnn.config import CELLS, RNNConfig
-from fusedrnn.cpu import CpuBackend
+from fusedrnn.cpu import CpuBackend, fused
 from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
 from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
 from fusedrnn.recurrence import NEXT, PREV
@@ -220,12 +220,22 @@ def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
 
 # -- (c) the T=1 form: forward_single -------------------------------------------------
 
+@pytest.fixture(params=["serial", "parallel"])
+def build(request, monkeypatch):
+    """Every T=1 test runs on both builds, whatever its size picks (fused.SERIAL_WORK)."""
+    limit = 1 << 62 if request.param == "serial" else -1
+    monkeypatch.setattr(fused, "SERIAL_WORK", limit)
+    monkeypatch.setattr(fused, "SERIAL_POINTWISE", limit)
+    return request.param
+
+
 @pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
 @pytest.mark.parametrize("N", [1, 7, 17])       # 17: a second, mostly padded 16-sample panel
 @pytest.mark.parametrize("H", [1, 16, 17, 33])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N, lengths):
+def test_op_single_step_matches_generic_path(monkeypatch, build, mode, dtype, H, N,
+                                            lengths):
     """T=1 (a decoder step), 2 layers, bidirectional, through forward_single: inference,
     training forward and all gradients equal the generic per-step path's (with lengths:
     all 1, the only valid ones, through the kernels' length checks)."""
@@ -247,7 +257,8 @@ def test_op_single_step_matches_generic_path(monkeypatch, mode, dtype, H, N, len
 
 
 @pytest.mark.parametrize("clip_nan", [False, True])
-def test_op_single_step_matches_generic_path_with_lstm_clipping(monkeypatch, clip_nan):
+def test_op_single_step_matches_generic_path_with_lstm_clipping(monkeypatch, build,
+                                                                clip_nan):
     case, kw, heads = make_case("lstm", T=1, N=5, I=I, H=17, L=2, D=2, seed=3)
     case["data"][0, 1, 0] = np.nan
     fused, generic = fused_and_generic(monkeypatch, case, kw, **CLIP,
@@ -263,7 +274,7 @@ def test_op_single_step_matches_generic_path_with_lstm_clipping(monkeypatch, cli
 @pytest.mark.parametrize("d", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, record):
+def test_forward_single_writes_exactly_its_direction(build, mode, dtype, d, H, N, record):
     """forward_single on NaN-poisoned outputs and scratch, against tests/reference.py's
     cell: every element of direction d is written and right, nothing else is touched."""
     spec, D, K = CELLS[mode], 2, 9
@@ -313,3 +324,28 @@ def test_forward_single_writes_exactly_its_direction(mode, dtype, d, H, N, recor
     if record:
         assert not np.isnan(saved[d]).any() and np.isnan(saved[other]).all()
     assert all(np.isnan(g).all() for g in guards), "a write past a scratch array"
+
+
+@pytest.mark.parametrize("T, N, H, serial", [
+    (1, 1, 8, (True, True)),        # the per-call floor: both serial
+    (1, 4, 64, (True, True)),       # 4*256*128 = 131k multiply-adds, 1024 gate values
+    (1, 16, 64, (True, True)),      # 524k: the forward's limit
+    (1, 32, 64, (False, True)),     # 1M multiply-adds, 8192 gate values
+    (1, 64, 128, (False, False)),   # 8M, 32768
+    (5, 1, 8, (False, False)),      # never at T > 1
+])
+def test_small_single_steps_take_the_serial_builds(monkeypatch, T, N, H, serial):
+    """The rule above fused.SERIAL_WORK: which build of the forward and of the backward
+    each call of an LSTM training step launches (I = H)."""
+    layer = fused_layer("lstm", np.float32)
+    launched = []
+    for name in ("_forward", "_forward_single", "_forward_single_serial", "_backward",
+                 "_backward_serial"):
+        real = getattr(layer, name)
+        monkeypatch.setattr(layer, name, lambda *a, _real=real, _name=name:
+                            launched.append(_name) or _real(*a))
+    case, kw, heads = make_case("lstm", T=T, N=N, I=H, H=H, dtype=np.float32)
+    _run(case, kw, heads, {})
+    forward = "_forward" if T > 1 else "_forward_single" + ("_serial" if serial[0] else "")
+    backward = "_backward" + ("_serial" if serial[1] else "")
+    assert launched == [forward, forward, backward], launched   # inference, training

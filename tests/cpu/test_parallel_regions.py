@@ -22,7 +22,17 @@ MODE, DTYPE = "lstm", np.float32
 
 def _exercise():
     """Op calls that launch every kernel below at least once: a fused T>1 training call,
-    a fused T=1 call and a projected LSTM (the generic per-step path)."""
+    a fused T=1 call (on the parallel builds, which its size alone would not pick) and a
+    projected LSTM (the generic per-step path)."""
+    limits = fused.SERIAL_WORK, fused.SERIAL_POINTWISE
+    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = -1
+    try:
+        _calls()
+    finally:
+        fused.SERIAL_WORK, fused.SERIAL_POINTWISE = limits
+
+
+def _calls():
     rng = np.random.default_rng(0)
     for T, projection in ((4, None), (1, None), (3, 3)):
         I, H, N = 5, 6, 3

@@ -110,13 +110,14 @@ _OVERSUBSCRIBED = textwrap.dedent("""
         return [out, *grads[:2], one]
 
     original, threads = fused._workshare, numba.get_num_threads()
+    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = -1   # T=1 too on the parallel builds
     for mode, dtype in (("lstm", np.float64), ("gru", np.float32)):
         fusedrnn.clear_cache()
         want = run(mode, dtype)
         for numba_threads, workers in ((1, 2), (1, 5), (threads, 5)):
             numba.set_num_threads(numba_threads)
-            fused._workshare = lambda steps, blocks: (fused.new_counters(steps, workers),
-                                                      workers)
+            fused._workshare = lambda steps, blocks, serial=False: (
+                fused.new_counters(steps, workers), workers)
             fusedrnn.clear_cache()
             got = run(mode, dtype)
             for a, b in zip(got, want):
