@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import types
 import warnings
 
 import numba
@@ -50,3 +51,16 @@ elif LAYER == "omp" and not _user_choice:
                   "threads, or set NUMBA_THREADING_LAYER=workqueue.", RuntimeWarning,
                   stacklevel=2)
 LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lock()
+
+
+def parallel_and_serial(kernel):
+    """(parallel build, serial build) of a kernel's Python function, both cached on disk
+    and compiled on first use. Small calls take the serial one: launching a parallel
+    region costs tens of microseconds (lowlevel/packing.py and gemm.py give the
+    measurement). The serial build gets its own name because Numba's disk cache tells
+    builds apart by function, not by compile flags."""
+    twin = types.FunctionType(kernel.__code__, kernel.__globals__, kernel.__name__,
+                              kernel.__defaults__, kernel.__closure__)
+    twin.__qualname__ = kernel.__qualname__ + "_serial"
+    return (numba.njit(parallel=True, cache=True, nogil=True)(kernel),
+            numba.njit(cache=True, nogil=True)(twin))

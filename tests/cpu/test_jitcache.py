@@ -26,8 +26,10 @@ def test_locators_come_first_and_install_is_idempotent():
 def test_package_kernels_use_our_locator():
     layer = fused.fused_layer("lstm", np.float32)
     kernels = [gemm._project, packing._pack_rows_at, packing._pack_recurrent,
-               packing._pack_recurrent_rows,
+               packing._pack_recurrent_rows, gemm._project_serial, packing._pack_rows_at_serial,
+               packing._pack_recurrent_serial, packing._pack_recurrent_rows_serial,
                layer._forward, layer._forward_single, layer._backward,
+               layer._forward_single_serial, layer._backward_serial,
                *(launch.kernel for launch in cells.cell_kernels("gru", np.float64))]
     for kernel in kernels:
         locator = kernel._cache._impl._locator

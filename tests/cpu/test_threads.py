@@ -1,7 +1,9 @@
-"""Concurrent calls from many Python threads: no abort, results identical to serial."""
+"""fusedrnn.cpu.threads: concurrent calls from many Python threads (no abort, results
+identical to serial), and the parallel and serial builds of one kernel."""
 import threading
 
 import numpy as np
+from numba import prange
 
 import fusedrnn
 from conftest import MODES, make_case
@@ -65,3 +67,24 @@ def test_warns_when_numba_threads_started_first_on_a_spinning_layer():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop("NUMBA_THREADING_LAYER", None)
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def _doubled(x, out):
+    for i in prange(x.shape[0]):
+        out[i] = 2 * x[i]
+
+
+def test_parallel_and_serial_builds_agree_and_are_cached_apart():
+    """Numba's disk cache files a kernel under its function's name, not its flags: the
+    serial twin must have its own name, or each build would evict (or be served) the
+    other's machine code. The original function keeps its name."""
+    parallel, serial = threads.parallel_and_serial(_doubled)
+    x = np.arange(1000.0)
+    outs = [np.full_like(x, np.nan), np.full_like(x, np.nan)]
+    parallel(x, outs[0])
+    serial(x, outs[1])
+    assert np.array_equal(outs[0], 2 * x) and np.array_equal(outs[1], 2 * x)
+    assert parallel.targetoptions.get("parallel") and not serial.targetoptions.get("parallel")
+    assert _doubled.__qualname__ == "_doubled" and serial.py_func.__qualname__ == "_doubled_serial"
+    names = {build._cache._impl._filename_base for build in (parallel, serial)}
+    assert len(names) == 2

@@ -17,10 +17,9 @@ project(a, wpack, c, spill)
 """
 from __future__ import annotations
 
-import numba as nb
 from numba import prange
 
-from ..threads import LAUNCH_LOCK
+from ..threads import LAUNCH_LOCK, parallel_and_serial
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
 
@@ -30,9 +29,12 @@ __all__ = ["CHUNK", "project"]
 # small enough that a chunk of A (96 x 800 floats, 300 KB) stays in the 1 MB L2 while
 # every panel of W passes over it once.
 CHUNK = 96
+# Up to this many multiply-adds (M*K*C) the projection runs as its serial build: a
+# parallel region's launch (~60 us) costs more than the product on one core.
+# Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
+SERIAL_WORK = 1 << 23
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
 def _project(a, wpack, c, spill):
     M, K = a.shape
     C = c.shape[1]
@@ -61,8 +63,12 @@ def _project(a, wpack, c, spill):
                         c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
 
 
+_project, _project_serial = parallel_and_serial(_project)
+
+
 def project(a, wpack, c, spill):
     """c = a @ W^T with W packed by packing.pack_input_weights (module docstring)."""
     with LAUNCH_LOCK:
-        _project(a, wpack, c, spill)
+        small = a.shape[0] * a.shape[1] * c.shape[1] <= SERIAL_WORK
+        (_project_serial if small else _project)(a, wpack, c, spill)
     return c

@@ -35,7 +35,7 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from ..threads import LAUNCH_LOCK
+from ..threads import LAUNCH_LOCK, parallel_and_serial
 from .microkernel import PANEL
 
 __all__ = ["pack_input_weights", "pack_panel", "pack_recurrent", "pack_recurrent_rows",
@@ -47,7 +47,12 @@ def panels(units):
     return -(-units // PANEL)
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+# Up to this many weight elements a packer runs as its serial build: a parallel region's
+# launch (~60 us, waking the workqueue's workers) costs more than copying them.
+# Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
+SERIAL_ELEMENTS = 1 << 18
+
+
 def _pack_recurrent(w, gates, out):
     H, K = w.shape[0] // gates, w.shape[1]
     for b in prange(out.shape[0]):
@@ -58,16 +63,19 @@ def _pack_recurrent(w, gates, out):
                     out[b, g, k, u] = w[g * H + j, k] if j < H else 0
 
 
+_pack_recurrent, _pack_recurrent_serial = parallel_and_serial(_pack_recurrent)
+
+
 def pack_recurrent(w_h, gates, out=None):
     """W_h (G*H, K) -> (B, G, K, 16) (module docstring)."""
     if out is None:
         out = np.empty((panels(w_h.shape[0] // gates), gates, w_h.shape[1], PANEL), w_h.dtype)
     with LAUNCH_LOCK:
-        _pack_recurrent(w_h, gates, out)
+        small = w_h.size <= SERIAL_ELEMENTS
+        (_pack_recurrent_serial if small else _pack_recurrent)(w_h, gates, out)
     return out
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
 def _pack_recurrent_rows(w, out):
     GH, R = w.shape
     for b in prange(out.shape[0]):
@@ -77,12 +85,16 @@ def _pack_recurrent_rows(w, out):
                 out[b, k, u] = w[k, j] if j < R else 0
 
 
+_pack_recurrent_rows, _pack_recurrent_rows_serial = parallel_and_serial(_pack_recurrent_rows)
+
+
 def pack_recurrent_rows(w_h, out=None):
     """W_h (G*H, R) -> (B, G*H, 16) (module docstring)."""
     if out is None:
         out = np.empty((panels(w_h.shape[1]), w_h.shape[0], PANEL), w_h.dtype)
     with LAUNCH_LOCK:
-        _pack_recurrent_rows(w_h, out)
+        small = w_h.size <= SERIAL_ELEMENTS
+        (_pack_recurrent_rows_serial if small else _pack_recurrent_rows)(w_h, out)
     return out
 
 
@@ -98,12 +110,11 @@ def pack_input_weights(ws, out):
             out[-1] = 0
         row0 = 0
         for w in ws:
-            _pack_rows_at(w, row0, out)
+            (_pack_rows_at_serial if w.size <= SERIAL_ELEMENTS else _pack_rows_at)(w, row0, out)
             row0 += w.shape[0]
     return out
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
 def _pack_rows_at(w, row0, out):
     rows, K = w.shape
     first, last = row0 // PANEL, (row0 + rows - 1) // PANEL
@@ -113,6 +124,9 @@ def _pack_rows_at(w, row0, out):
                 r = p * PANEL + u - row0
                 if 0 <= r < rows:
                     out[p, k, u] = w[r, k]
+
+
+_pack_rows_at, _pack_rows_at_serial = parallel_and_serial(_pack_rows_at)
 
 
 @nb.njit(inline="always")

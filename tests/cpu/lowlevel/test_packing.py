@@ -6,9 +6,39 @@ import pytest
 
 from fusedrnn.config import CELLS
 from fusedrnn.cpu.lowlevel import (PANEL, pack_input_weights, pack_panel, pack_recurrent,
-                                   pack_recurrent_rows, panels)
+                                   pack_recurrent_rows, packing, panels)
 
 DTYPES = [np.float32, np.float64]
+
+
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def build(request, monkeypatch):
+    """Every packer test on both builds, whatever its size picks (SERIAL_ELEMENTS)."""
+    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", 1 << 62 if request.param == "serial" else -1)
+    return request.param
+
+
+@pytest.mark.parametrize("packer, elements, serial", [
+    ("pack_recurrent", 1 << 18, True), ("pack_recurrent", (1 << 18) + 4, False),
+    ("pack_recurrent_rows", 1 << 18, True), ("pack_recurrent_rows", (1 << 18) + 4, False),
+    ("pack_input_weights", 1 << 18, True), ("pack_input_weights", (1 << 18) + 4, False)])
+def test_the_weights_size_picks_the_build(monkeypatch, packer, elements, serial):
+    """Up to SERIAL_ELEMENTS weight elements the serial build, else the parallel one."""
+    monkeypatch.undo()   # the real limit, not the fixture's
+    launched = []
+    for name in ("_pack_recurrent", "_pack_recurrent_rows", "_pack_rows_at"):
+        for twin in (name, name + "_serial"):
+            real = getattr(packing, twin)
+            monkeypatch.setattr(packing, twin, lambda *a, _r=real, _n=twin:
+                                launched.append(_n.endswith("_serial")) or _r(*a))
+    w = np.zeros((4, elements // 4), np.float32)
+    if packer == "pack_recurrent":
+        pack_recurrent(w, 4)
+    elif packer == "pack_recurrent_rows":
+        pack_recurrent_rows(w)
+    else:
+        pack_input_weights([w], np.empty((1, w.shape[1], PANEL), np.float32))
+    assert launched == [serial]
 
 
 def reference_columns(w, gates):
