@@ -130,6 +130,11 @@ class RecurrentOp:
             **self.driver.forward_scratch(),
         })
         self.no_lengths = self.xp.empty(0, dtype="int64")
+        # Where the op's GEMMs run (the CPU backend caps BLAS's threads for small ones). The
+        # forward of a fused layer that projects its own input runs no BLAS at all.
+        self.blas = backend.blas_scope(config, seq_len, batch)
+        self._forward_blas = self.blas if not (
+            layer is not None and layer.projects_input) else None
         self._backward_scratch = None
         self._reserve_pool = []
 
@@ -206,6 +211,12 @@ class RecurrentOp:
     def forward(self, data, params, h0, c0, opts, reserve=None):
         """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
         records what backward needs into it."""
+        if self._forward_blas is None:
+            return self._forward(data, params, h0, c0, opts, reserve)
+        with self._forward_blas:
+            return self._forward(data, params, h0, c0, opts, reserve)
+
+    def _forward(self, data, params, h0, c0, opts, reserve):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         lstm, training = cfg.cell.has_cell_state, reserve is not None
@@ -261,6 +272,10 @@ class RecurrentOp:
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         """Gradients (data, parameters, state, state_cell) of sum(out*dout) + sum(hy*dhy)
         + sum(cy*dcy); any head gradient may be None (zero)."""
+        with self.blas:
+            return self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
+
+    def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         cell, lay = cfg.cell, self.layout

@@ -13,6 +13,12 @@ from .fused import fused_layer
 
 __all__ = ["CpuBackend", "BACKEND"]
 
+# A call whose BLAS GEMMs (training: each layer's weight gradients and input gradient,
+# about T*N*G*H*(2*In + R) multiply-adds per direction) total at most this many runs
+# them on one thread (threads.BlasOneThread says why); larger ones gain from a second.
+# Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
+ONE_THREAD_GEMM_WORK = 1 << 32
+
 
 class CpuBackend:
     name = "cpu"
@@ -30,6 +36,17 @@ class CpuBackend:
         if config.projection_size:
             return None
         return fused_layer(config.mode, dtype)
+
+    @staticmethod
+    def blas_scope(config, seq_len, batch):
+        """The context an op's BLAS calls run in: numpy's BLAS on one thread, unless the
+        op's GEMMs are large (ONE_THREAD_GEMM_WORK)."""
+        G, H, R = config.cell.gates, config.state_size, config.recurrent_size
+        work = sum(config.directions * seq_len * batch * G * H *
+                   (2 * config.layer_input_size(layer) + R)
+                   for layer in range(config.num_layers))
+        return threads.BLAS_ONE_THREAD if work <= ONE_THREAD_GEMM_WORK else \
+            contextlib.nullcontext()
 
     @staticmethod
     def is_array(value):

@@ -6,6 +6,8 @@ works without it. Everything runs on CuPy's current stream, on the device that h
 """
 from __future__ import annotations
 
+import contextlib
+
 from .kernels import cupy_cell_kernels
 from .persistent import cupy_persistent_layer
 
@@ -26,6 +28,11 @@ class GpuBackend:
         """The persistent kernels where they fit on chip (persistent.py: the rule;
         FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the per-step path."""
         return cupy_persistent_layer(self.xp, config, dtype, batch)
+
+    @staticmethod
+    def blas_scope(config, seq_len, batch):
+        """cuBLAS runs on the device: nothing to cap on the host."""
+        return contextlib.nullcontext()
 
     def is_array(self, value):
         return isinstance(value, self.xp.ndarray)

@@ -2,12 +2,17 @@
 identical to serial), and the parallel and serial builds of one kernel."""
 import threading
 
+import contextlib
+
 import numpy as np
+import pytest
+import threadpoolctl
 from numba import prange
 
 import fusedrnn
 from conftest import MODES, make_case
-from fusedrnn.cpu import threads
+from fusedrnn.config import RNNConfig
+from fusedrnn.cpu import BACKEND, ONE_THREAD_GEMM_WORK, threads
 
 
 def test_threading_layer_is_guarded_when_not_threadsafe():
@@ -88,3 +93,78 @@ def test_parallel_and_serial_builds_agree_and_are_cached_apart():
     assert _doubled.__qualname__ == "_doubled" and serial.py_func.__qualname__ == "_doubled_serial"
     names = {build._cache._impl._filename_base for build in (parallel, serial)}
     assert len(names) == 2
+
+
+def _blas_threads():
+    return [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
+            if lib["user_api"] == "blas"]
+
+
+@pytest.fixture
+def two_blas_threads():
+    """numpy's BLAS at 2 threads for the test (what it finds on the 2-core machine), set
+    as a user would with OpenBLAS's own call, and put back afterwards."""
+    libs = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+    before = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(2)
+    yield _blas_threads()
+    for lib, threads_before in zip(libs, before):
+        lib.set_num_threads(threads_before)
+
+
+def test_blas_runs_on_one_thread_inside_and_as_before_after(two_blas_threads):
+    assert two_blas_threads and set(two_blas_threads) == {2}
+    with threads.BLAS_ONE_THREAD:
+        assert set(_blas_threads()) == {1}
+        with threads.BLAS_ONE_THREAD:          # nested: still one, still restored once
+            assert set(_blas_threads()) == {1}
+        assert set(_blas_threads()) == {1}
+    assert _blas_threads() == two_blas_threads
+    with pytest.raises(ZeroDivisionError):     # an error inside restores too
+        with threads.BLAS_ONE_THREAD:
+            1 / 0
+    assert _blas_threads() == two_blas_threads
+
+
+def test_a_call_from_another_thread_leaves_the_blas_count_alone(two_blas_threads):
+    """Only the main thread caps and restores (BlasOneThread says why): a worker thread's
+    call, even one overlapping a main-thread call, changes nothing, and the main
+    thread's restore still happens."""
+    seen = []
+
+    def call():
+        with threads.BLAS_ONE_THREAD:
+            seen.append(_blas_threads())
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join()
+    assert seen == [two_blas_threads]
+    with threads.BLAS_ONE_THREAD:
+        worker = threading.Thread(target=call)
+        worker.start()
+        worker.join()
+        assert set(_blas_threads()) == {1}
+    assert _blas_threads() == two_blas_threads
+
+
+@pytest.mark.parametrize("T, N, H, capped", [(50, 32, 64, True), (300, 64, 800, False)])
+def test_the_gemm_work_picks_the_blas_scope(T, N, H, capped):
+    """Small and medium ops cap BLAS at one thread (ONE_THREAD_GEMM_WORK); the largest
+    keep its threads."""
+    config = RNNConfig(mode="lstm", input_size=H, state_size=H, num_layers=2,
+                       bidirectional=True)
+    work = sum(2 * T * N * 4 * H * (2 * config.layer_input_size(layer) + H)
+               for layer in range(2))
+    assert (work <= ONE_THREAD_GEMM_WORK) == capped
+    scope = BACKEND.blas_scope(config, T, N)
+    assert (scope is threads.BLAS_ONE_THREAD) == capped
+    assert capped or isinstance(scope, contextlib.nullcontext)
+
+
+def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads):
+    case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2)
+    out, handle = fusedrnn.RNN(**case, **kw, train=True)
+    fusedrnn.rnn_backward(handle, heads["dout"])
+    assert _blas_threads() == two_blas_threads

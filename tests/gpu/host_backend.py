@@ -66,6 +66,7 @@ class HostCudaBackend:
     name = "cuda-host-emulation"
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
+    blas_scope = staticmethod(CPU.blas_scope)
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None):
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
