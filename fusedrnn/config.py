@@ -8,6 +8,7 @@ backends (whose cached kernels compile the clip flags in) can all read it.
 """
 from __future__ import annotations
 
+import contextvars
 import numbers
 from dataclasses import dataclass
 
@@ -17,6 +18,10 @@ __all__ = ["CellSpec", "CELLS", "MODES", "modes_with", "RNNConfig", "check_confi
            "CallOptions", "CLIP", "CLIP_NAN"]
 
 CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
+
+# True while fusedrnn.torch calls the op: the program's other work is torch's, on torch's
+# thread pool, and the CPU backend keeps numpy's BLAS threads off its cores (cpu/threads.py).
+TORCH_CALLER = contextvars.ContextVar("fusedrnn_torch_caller", default=False)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from .fused import fused_layer
 
 __all__ = ["CpuBackend", "BACKEND"]
 
-# A call whose BLAS GEMMs (training: each layer's weight gradients and input gradient,
-# about T*N*G*H*(2*In + R) multiply-adds per direction) total at most this many runs
-# them on one thread (threads.BlasOneThread says why); larger ones gain from a second.
+# A call from a torch program whose BLAS GEMMs (training: each layer's weight gradients
+# and input gradient, about T*N*G*H*(2*In + R) multiply-adds per direction) total at most
+# this many runs them on one thread (threads.BlasOneThread says why); larger ones gain
+# more from a second thread than its spinning costs.
 # Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
 ONE_THREAD_GEMM_WORK = 1 << 32
 
@@ -39,8 +40,9 @@ class CpuBackend:
 
     @staticmethod
     def blas_scope(config, seq_len, batch):
-        """The context an op's BLAS calls run in: numpy's BLAS on one thread, unless the
-        op's GEMMs are large (ONE_THREAD_GEMM_WORK)."""
+        """The context an op's BLAS calls run in: numpy's BLAS on one thread for a torch
+        program's call (threads.BlasOneThread), unless the op's GEMMs are large
+        (ONE_THREAD_GEMM_WORK)."""
         G, H, R = config.cell.gates, config.state_size, config.recurrent_size
         work = sum(config.directions * seq_len * batch * G * H *
                    (2 * config.layer_input_size(layer) + R)

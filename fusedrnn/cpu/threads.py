@@ -29,6 +29,8 @@ import warnings
 import numba
 import threadpoolctl
 
+from ..config import TORCH_CALLER
+
 _THREADSAFE = {"omp", "tbb", "threadsafe", "safe"}
 
 
@@ -68,25 +70,27 @@ def parallel_and_serial(kernel):
 
 
 class BlasOneThread:
-    """A reusable context: while a fusedrnn call from the main thread runs inside it,
-    numpy's BLAS (OpenBLAS, through threadpoolctl) runs on one thread; leaving restores
-    the count it found. Why: after a threaded GEMM OpenBLAS's workers spin for about
-    0.1 s and take a core from whatever runs next: on 2 cores the fused loops, and in a
-    torch program torch's own ops (a Linear + loss beside a fusedrnn training step took
-    2.2x as long). For the GEMMs of small and medium calls one thread is as fast or faster.
+    """A reusable context: while a call from a torch program (config.TORCH_CALLER) runs
+    inside it on the main thread, numpy's BLAS (OpenBLAS, through threadpoolctl) runs on
+    one thread; leaving restores the count it found. Why: after a threaded GEMM
+    OpenBLAS's workers spin for about 0.1 s and take a core from torch's own ops (a
+    Linear + loss beside a fusedrnn training step took 2.2x as long, the step itself
+    1.5x). In a numpy program the second thread makes the training GEMMs faster instead,
+    so there the count is left alone.
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
-    Calls from other threads leave the count alone: OpenBLAS's count is process-wide, and
+    Calls from other threads leave it alone too: OpenBLAS's count is process-wide, and
     here a change made from a second thread was not always honoured, so a restore from
     one could leave the whole process on one thread."""
 
     def __init__(self):
-        self._depth = 0
+        self._entered = []   # the main thread's nested entries: whether each capped
         self._libs, self._saved = None, []
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        if self._depth == 0:
+        cap = TORCH_CALLER.get() and not any(self._entered)
+        if cap:
             if self._libs is None:   # scanning the loaded libraries takes ~3 ms: once
                 self._libs = threadpoolctl.ThreadpoolController().select(
                     user_api="blas").lib_controllers
@@ -94,14 +98,13 @@ class BlasOneThread:
             for lib, threads in zip(self._libs, self._saved):
                 if threads != 1:
                     lib.set_num_threads(1)
-        self._depth += 1
+        self._entered.append(cap)
         return self
 
     def __exit__(self, *exc):
         if threading.current_thread() is not threading.main_thread():
             return False
-        self._depth -= 1
-        if self._depth == 0:
+        if self._entered.pop():
             for lib, threads in zip(self._libs, self._saved):
                 if threads != 1:
                     lib.set_num_threads(threads)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import op
-from ..config import CELLS
+from ..config import CELLS, TORCH_CALLER
 
 __all__ = ["rnn", "to_array", "to_tensor"]
 
@@ -30,6 +30,18 @@ def to_array(tensor):
 
 def to_tensor(array):
     return None if array is None else torch.from_dlpack(array)
+
+
+@contextlib.contextmanager
+def _from_torch(tensor):
+    """Around every call into the op: on torch's stream, and marked as a torch program's
+    call (config.TORCH_CALLER: the CPU backend then keeps numpy's BLAS off torch's cores)."""
+    token = TORCH_CALLER.set(True)
+    try:
+        with _same_stream(tensor):
+            yield
+    finally:
+        TORCH_CALLER.reset(token)
 
 
 def _same_stream(tensor):
@@ -65,7 +77,7 @@ class _RNNFunction(torch.autograd.Function):
         arrays = [None if t is None else to_array(t)
                   for t in (data, parameters, state, state_cell, lengths)]
         train = kwargs["train"]
-        with _same_stream(data):
+        with _from_torch(data):
             result = op.RNN(*arrays[:4], arrays[4], **dict(kwargs, state_outputs=True))
         handle = result[-1] if train else None
         if handle is not None and not any(ctx.needs_input_grad[:4]):
@@ -93,7 +105,7 @@ class _RNNFunction(torch.autograd.Function):
         given = [g for g in (dout, dhy, dcy) if g is not None]
         if not given:  # no gradient reached any output
             return (None,) * 6
-        with _same_stream(given[0]):
+        with _from_torch(given[0]):
             if handle is None:  # the forward ran in inference mode: recompute its record
                 kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
                 handle = ctx.handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]

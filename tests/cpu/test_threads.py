@@ -11,7 +11,7 @@ from numba import prange
 
 import fusedrnn
 from conftest import MODES, make_case
-from fusedrnn.config import RNNConfig
+from fusedrnn.config import TORCH_CALLER, RNNConfig
 from fusedrnn.cpu import BACKEND, ONE_THREAD_GEMM_WORK, threads
 
 
@@ -101,6 +101,13 @@ def _blas_threads():
 
 
 @pytest.fixture
+def torch_caller():
+    token = TORCH_CALLER.set(True)
+    yield
+    TORCH_CALLER.reset(token)
+
+
+@pytest.fixture
 def two_blas_threads():
     """numpy's BLAS at 2 threads for the test (what it finds on the 2-core machine), set
     as a user would with OpenBLAS's own call, and put back afterwards."""
@@ -113,7 +120,7 @@ def two_blas_threads():
         lib.set_num_threads(threads_before)
 
 
-def test_blas_runs_on_one_thread_inside_and_as_before_after(two_blas_threads):
+def test_blas_runs_on_one_thread_inside_and_as_before_after(two_blas_threads, torch_caller):
     assert two_blas_threads and set(two_blas_threads) == {2}
     with threads.BLAS_ONE_THREAD:
         assert set(_blas_threads()) == {1}
@@ -127,7 +134,8 @@ def test_blas_runs_on_one_thread_inside_and_as_before_after(two_blas_threads):
     assert _blas_threads() == two_blas_threads
 
 
-def test_a_call_from_another_thread_leaves_the_blas_count_alone(two_blas_threads):
+def test_a_call_from_another_thread_leaves_the_blas_count_alone(two_blas_threads,
+                                                                 torch_caller):
     """Only the main thread caps and restores (BlasOneThread says why): a worker thread's
     call, even one overlapping a main-thread call, changes nothing, and the main
     thread's restore still happens."""
@@ -163,8 +171,19 @@ def test_the_gemm_work_picks_the_blas_scope(T, N, H, capped):
     assert capped or isinstance(scope, contextlib.nullcontext)
 
 
-def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads):
-    case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2)
-    out, handle = fusedrnn.RNN(**case, **kw, train=True)
-    fusedrnn.rnn_backward(handle, heads["dout"])
+def test_a_numpy_programs_call_leaves_blas_alone(two_blas_threads):
+    """Outside a torch program the count is never touched (BlasOneThread says why)."""
+    with threads.BLAS_ONE_THREAD:
+        assert _blas_threads() == two_blas_threads
+
+
+@pytest.mark.parametrize("caller", ["numpy", "torch"])
+def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller):
+    token = TORCH_CALLER.set(caller == "torch")
+    try:
+        case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2)
+        out, handle = fusedrnn.RNN(**case, **kw, train=True)
+        fusedrnn.rnn_backward(handle, heads["dout"])
+    finally:
+        TORCH_CALLER.reset(token)
     assert _blas_threads() == two_blas_threads

@@ -187,3 +187,20 @@ def test_torch_path_checks_its_arguments():
         ft.rnn(**t, **kw, train="no")
     with pytest.raises(TypeError, match="p: expected a float"):
         ft.rnn(**t, **kw, p="0.5", train=True)
+
+
+def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
+    """The forward and the backward reach the op with config.TORCH_CALLER set (the CPU
+    backend keeps numpy's BLAS off torch's cores then), and it is unset afterwards."""
+    from fusedrnn import op
+    from fusedrnn.config import TORCH_CALLER
+    seen = []
+    for name in ("RNN", "rnn_backward"):
+        real = getattr(op, name)
+        monkeypatch.setattr(op, name, lambda *a, _r=real, _n=name, **k:
+                            seen.append((_n, TORCH_CALLER.get())) or _r(*a, **k))
+    rnn = ft.GRU(4, 5)
+    out, _ = rnn(torch.randn(3, 2, 4))
+    out.sum().backward()
+    assert seen == [("RNN", True), ("rnn_backward", True)]
+    assert TORCH_CALLER.get() is False
