@@ -30,8 +30,14 @@ def make_kernel(dtype):
 
     @nb.njit(parallel=True, nogil=True)
     def kernel(a, wpack, c):
-        for p in prange(wpack.shape[0]):      # one 16-column panel of C per iteration
+        quads = wpack.shape[0] // 4
+        for q in prange(quads):      # four 16-column panels of C per iteration, as an
+            p = 4 * q                # LSTM block's four gates are
             panel_gemm(a.ctypes.data, a.shape[1], a.shape[0], wpack[p].ctypes.data,
+                       a.shape[1] * PANEL, 4, c.ctypes.data + p * PANEL * itemsize,
+                       c.shape[1], a.shape[1], zero)
+        for p in range(4 * quads, wpack.shape[0]):
+            panel_gemm(a.ctypes.data, a.shape[1], a.shape[0], wpack[p].ctypes.data, 0, 1,
                        c.ctypes.data + p * PANEL * itemsize, c.shape[1], a.shape[1], zero)
     return kernel
 

@@ -138,26 +138,27 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                     tile = tiles[b]
                     j0 = b * PANEL
                     width = min(PANEL, H - j0)
-                    for g in range(gates):
-                        if not single_step:
-                            panel_gemm(h_prev_addr, H, N, wpack[b, g].ctypes.data,
-                                       tile.ctypes.data + (_R + g) * PANEL * itemsize, row,
-                                       H, like)
-                            continue
-                        # (W rows of this block's units) @ (16 samples as columns), stored
-                        # transposed into the tile: the weights are read once, in place.
-                        for p in range(x_cols.shape[0]):
-                            c = tile.ctypes.data + p * PANEL * row * itemsize
-                            panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K, width,
-                                         x_cols[p].ctypes.data,
-                                         c + (_X + g) * PANEL * itemsize, row, K, like)
-                            panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H, width,
-                                         h_cols[p].ctypes.data,
-                                         c + (_R + g) * PANEL * itemsize, row, H, like)
-                        for n in range(N):   # units past H (a partial block): defined zeros
-                            for u in range(width, PANEL):
-                                tile[n, (_R + g) * PANEL + u] = 0
-                                tile[n, (_X + g) * PANEL + u] = 0
+                    if not single_step:   # all G gate panels of the block in one product
+                        panel_gemm(h_prev_addr, H, N, wpack[b, 0].ctypes.data, H * PANEL,
+                                   gates, tile.ctypes.data + _R * PANEL * itemsize, row, H,
+                                   like)
+                    else:
+                        for g in range(gates):
+                            # (W rows of this block's units) @ (16 samples as columns),
+                            # stored transposed into the tile: the weights are read once,
+                            # in place.
+                            for p in range(x_cols.shape[0]):
+                                c = tile.ctypes.data + p * PANEL * row * itemsize
+                                panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
+                                             width, x_cols[p].ctypes.data,
+                                             c + (_X + g) * PANEL * itemsize, row, K, like)
+                                panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
+                                             width, h_cols[p].ctypes.data,
+                                             c + (_R + g) * PANEL * itemsize, row, H, like)
+                            for n in range(N):   # units past H (a partial block): defined zeros
+                                for u in range(width, PANEL):
+                                    tile[n, (_R + g) * PANEL + u] = 0
+                                    tile[n, (_X + g) * PANEL + u] = 0
                     for n in range(N):
                         # Addresses of this sample's rows (all arrays C-contiguous).
                         trow = tile.ctypes.data + n * row * itemsize
@@ -263,7 +264,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
                     dh_rec = tile.ctypes.data + _DHR * PANEL * itemsize
                     if step > 0:   # dh_rec = dg_later @ W_h for this block's units
                         panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
-                                   wpack_rows[b].ctypes.data, dh_rec, row, GH, like)
+                                   wpack_rows[b].ctypes.data, 0, 1, dh_rec, row, GH, like)
                     else:
                         for n in range(N):
                             row_copy(dh_rec + n * row * itemsize,

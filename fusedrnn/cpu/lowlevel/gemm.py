@@ -33,6 +33,9 @@ CHUNK = 96
 # parallel region's launch (~60 us) costs more than the product on one core.
 # Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
 SERIAL_WORK = 1 << 23
+# Panels per product where four whole ones are left in a work item's range: the
+# micro-kernel covers them in tiles of several panels (microkernel.panels_per_tile).
+QUAD = 4
 
 
 def _project(a, wpack, c, spill):
@@ -51,13 +54,20 @@ def _project(a, wpack, c, spill):
         rows = min(CHUNK, M - r0)
         a_rows = a.ctypes.data + r0 * K * itemsize
         c_rows = c.ctypes.data + r0 * C * itemsize
-        for p in range(group * panels // groups, (group + 1) * panels // groups):
+        first, stop = group * panels // groups, (group + 1) * panels // groups
+        whole = min(stop, full)
+        p = first
+        while p + QUAD <= whole:    # four panels per product (microkernel.panels_per_tile)
+            panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, K * PANEL, QUAD,
+                       c_rows + p * PANEL * itemsize, C, K, zero_like(a))
+            p += QUAD
+        for p in range(p, stop):
             if p < full:
-                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data,
+                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, 0, 1,
                            c_rows + p * PANEL * itemsize, C, K, zero_like(a))
             else:      # the partial last panel goes through spill
-                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, spill[chunk].ctypes.data,
-                           PANEL, K, zero_like(a))
+                panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, 0, 1,
+                           spill[chunk].ctypes.data, PANEL, K, zero_like(a))
                 for i in range(rows):
                     for u in range(C - full * PANEL):
                         c[r0 + i, full * PANEL + u] = spill[chunk, i, u]

@@ -14,15 +14,25 @@ as LLVM IR through a Numba intrinsic: MR x (16 / lanes) vector accumulators, one
 broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one).
 
 The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256.
-At 512 bits float32 runs 6 rows x 1 zmm (LLVM folds the broadcast into the FMA as an
-embedded {1to16} operand) and float64 6 rows x 2 zmm; at 256 bits (AVX2, 16 registers)
-float32 runs 6 rows x 2 ymm (12 accumulators, 2 panel vectors and a broadcast fit) and
-float64 3 rows x 4 ymm, which needs 17, so LLVM keeps one accumulator on the stack: the
-spill-free float64 tiles tried did not make the op faster. At 512 bits float64 also takes
-this kernel for its input projection (FusedLayer.projects_input). Results are bitwise
-equal at either width (the same FMAs in the same order per element). Only Zen 4 was
-measured with AVX-512; on Intel's AVX-512 parts the rule is untested.
+A tile covers several panels at once where the registers allow (panels_per_tile,
+tile_height): at 512 bits float32 up to 4 panels (an LSTM block's gates) x 6 rows, or 3
+x 8, 2 x 8; float64 up to 3 panels (2 zmm each) x 4 rows. One broadcast of A then feeds
+several FMAs, and 12-24 independent sums cover the FMA's latency: a Zen 5 core issues
+two 512-bit FMAs a cycle at a latency of 4, so the one-panel 6 x 1 zmm tile (6 sums)
+could reach 3/4 of its peak at most, and measured 180-200 GFLOP/s a core against 250-280
+for 6 x 2, 8 x 2 or 6 x 4. A single panel (the backward's dh, a GRU's third gate in
+float64) keeps ROWS rows: float32 6 x 1 zmm (LLVM folds the broadcast into the FMA as an
+embedded {1to16} operand), float64 6 x 2 zmm; at 256 bits (AVX2, 16 registers) tiles
+stay one panel: float32 6 rows x 2 ymm, float64 3 rows x 4 ymm, which needs 17, so LLVM
+keeps one accumulator on the stack: the spill-free float64 tiles tried did not make the
+op faster. At 512 bits float64 also takes this kernel for its input projection
+(FusedLayer.projects_input). Results are bitwise equal at any width and tile shape (the
+same FMAs in the same order per element). The several-panel tiles were measured on a
+Zen 5 only; on a Zen 4 (512-bit FMAs as two halves, one a cycle) they do no more FMAs
+per load than the tile they replace, and are untested for speed; on Intel's AVX-512
+parts the rule is untested.
 Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights
+and #microkernel-tiles-of-several-panels
 
 Each tile is emitted once per LLVM module as its own `noinline` function, called from
 the kernels that use it, so that its k-loop has the 16 general registers to itself:
@@ -32,15 +42,20 @@ addresses from the stack inside it. As a function it needs 9 and reloads none
 against a k-loop of K iterations.
 Measured: bench/results/cpu-kernel-notes.md#microkernel-the-tile-as-a-noinline-function
 
-panel_gemm(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
-    a      address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
-    panel  address of one packed panel: (k, PANEL) contiguous, 16 columns of B
-    c      address of C[0, 0]; C (rows, PANEL) with row stride ldc; overwritten with A @ B
-    like   any scalar of the data's dtype (float32 or float64): picks the precision
-    All three are of that dtype; C must not overlap A or the panel.
+panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intrinsic)
+    a        address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
+    panel    address of the first packed panel: (k, PANEL) contiguous, 16 columns of B
+    pstride  elements from one panel to the next (panel j at panel + j * pstride);
+             unread where npanels is 1
+    npanels  panels to multiply, a compile-time constant (a literal, or a global or
+             closure int): the tiles a kernel needs are emitted into its module
+    c        address of C[0, 0]; C (rows, npanels * PANEL) with row stride ldc;
+             overwritten with A @ [panel_0 .. panel_{npanels-1}]
+    like     any scalar of the data's dtype (float32 or float64): picks the precision
+    All three are of that dtype; C must not overlap A or the panels.
 
 panel_gemm_t(a, lda, rows, panel, c, ldc, k, like)  (inline Numba function)
-    The same product, stored transposed: C (PANEL, rows) with row stride ldc >= rows gets
+    The same product over one panel, stored transposed: C (PANEL, rows) with row stride ldc >= rows gets
     (A @ panel)^T, element (r, j) at c[j * ldc + r]. For a T=1 step (fused.py's
     forward_single): A is raw weight rows, read in place, and the panel 16 samples of
     the input as columns.
@@ -50,16 +65,18 @@ edit here retire their disk-cached machine code.
 """
 from __future__ import annotations
 
+import functools
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core import codegen as numba_codegen
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
-__all__ = ["PANEL", "ROWS", "VECTOR_BITS", "rows_for", "tile_settings", "panel_gemm",
-           "panel_gemm_t", "panel_gemm_for"]
+__all__ = ["MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "panel_gemm", "panel_gemm_for",
+           "panel_gemm_t", "panels_per_tile", "rows_for", "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
 
@@ -94,8 +111,49 @@ def tile_settings():
     return VECTOR_BITS, tuple(sorted((str(dtype), mr) for dtype, mr in ROWS.items()))
 
 
-def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):
-    """The tile's body (see _tile_intrinsic), into `builder`'s function; all six
+# Accumulator vectors a tile may hold: 24 of AVX-512's 32 registers (the panel vectors and
+# a broadcast take the rest), 12 of AVX2's 16. And the tallest tile: each row keeps an
+# address in a general register, and past 8 rows the k-loop ran out of them (a 12 x 2
+# float32 tile spilled and ran at 100-115 GFLOP/s against 8 x 2's 270).
+ACCUMULATORS = {512: 24, 256: 12}
+MAX_ROWS = 8
+
+
+def _vectors_per_panel(itemsize):
+    return PANEL * itemsize * 8 // VECTOR_BITS
+
+
+def panels_per_tile(dtype):
+    """How many panels a tile covers at once: the most (up to 4, an LSTM block's gates)
+    that still leave at least 4 rows of accumulators, so that each broadcast of A feeds
+    several FMAs and enough independent sums are in flight to cover the FMA's latency."""
+    vectors = _vectors_per_panel(np.dtype(dtype).itemsize)
+    for group in (4, 3, 2):
+        if ACCUMULATORS[VECTOR_BITS] // (group * vectors) >= 4:
+            return group
+    return 1
+
+
+def tile_height(dtype, group):
+    """Rows per tile when it covers `group` panels: ROWS for one panel, else as many as
+    the accumulators allow, at most MAX_ROWS."""
+    dtype = np.dtype(dtype)
+    if group == 1:
+        return ROWS[dtype]
+    vectors = _vectors_per_panel(dtype.itemsize)
+    return min(MAX_ROWS, ACCUMULATORS[VECTOR_BITS] // (group * vectors))
+
+
+def _groups(npanels, most):
+    """npanels split into balanced groups of at most `most` (4 by 3: 2 + 2, not 3 + 1)."""
+    count = -(-npanels // most)
+    return [npanels // count + (i < npanels % count) for i in range(count)]
+
+
+def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, transposed,
+               single):
+    """The tile's body: C[rows, group*16] = A[rows, k] @ [panel_0 .. panel_{group-1}]
+    (panel j at panel + j*pstride elements), into `builder`'s function; all seven
     arguments are intp values: addresses and element counts."""
     intp = a.type
     lanes = VECTOR_BITS // (32 if single else 64)
@@ -108,132 +166,154 @@ def _emit_tile(builder, a, lda, panel, c, ldc, k, *, rows, transposed, single):
     a_ptr = builder.inttoptr(a, scalar.as_pointer())
     b_ptr = builder.inttoptr(panel, scalar.as_pointer())
     c_ptr = builder.inttoptr(c, scalar.as_pointer())
-
-    def c_vector(r, v):
-        at = builder.add(builder.mul(ir.Constant(intp, r), ldc), ir.Constant(intp, v * lanes))
-        return builder.bitcast(builder.gep(c_ptr, [at]), vec.as_pointer())
-
+    const = functools.partial(ir.Constant, intp)
     # Allocas in the entry block: LLVM promotes them to registers (mem2reg).
     acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None))
-            for _ in range(vectors)] for _ in range(rows)]
+            for _ in range(group * vectors)] for _ in range(rows)]
     splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
     undef = ir.Constant(vec, ir.Undefined)
     with cgutils.for_range(builder, k) as loop:
         kk = loop.index
-        row = builder.gep(b_ptr, [builder.mul(kk, ir.Constant(intp, PANEL))])
-        b = [builder.load(builder.bitcast(
-            builder.gep(row, [ir.Constant(intp, v * lanes)]), vec.as_pointer()), align=1)
-            for v in range(vectors)]
+        b = []
+        for j in range(group):
+            row = builder.gep(b_ptr, [builder.add(builder.mul(kk, const(PANEL)),
+                                                  builder.mul(const(j), pstride))])
+            b += [builder.load(builder.bitcast(builder.gep(row, [const(v * lanes)]),
+                                               vec.as_pointer()), align=1)
+                  for v in range(vectors)]
         for r in range(rows):
-            a_rk = builder.load(builder.gep(
-                a_ptr, [builder.add(builder.mul(ir.Constant(intp, r), lda), kk)]))
+            a_rk = builder.load(builder.gep(a_ptr, [builder.add(builder.mul(const(r), lda),
+                                                                kk)]))
             a_vec = builder.shuffle_vector(
                 builder.insert_element(undef, a_rk, ir.Constant(ir.IntType(32), 0)),
                 undef, splat)
-            for v in range(vectors):
+            for v in range(group * vectors):
                 builder.store(builder.call(fma, [a_vec, b[v], builder.load(acc[r][v])]),
                               acc[r][v])
     for r in range(rows):
-        for v in range(vectors):
+        for v in range(group * vectors):
+            value = builder.load(acc[r][v])
             if transposed:   # one scalar store per lane: 16*rows per tile, cheap
-                value = builder.load(acc[r][v])
                 for lane in range(lanes):
-                    at = builder.add(builder.mul(ir.Constant(intp, v * lanes + lane), ldc),
-                                     ir.Constant(intp, r))
+                    at = builder.add(builder.mul(const(v * lanes + lane), ldc), const(r))
                     builder.store(builder.extract_element(
                         value, ir.Constant(ir.IntType(32), lane)), builder.gep(c_ptr, [at]))
                 continue
-            builder.store(builder.load(acc[r][v]), c_vector(r, v), align=1)
+            at = builder.add(builder.mul(const(r), ldc), const(v * lanes))
+            builder.store(value, builder.bitcast(builder.gep(c_ptr, [at]), vec.as_pointer()),
+                          align=1)
 
 
-def _tile_intrinsic(rows, transposed):
-    """C[rows, PANEL] = A[rows, k] @ panel[k, PANEL], accumulators in registers; the
-    precision is that of the last argument (any scalar of the data's dtype). With
-    `transposed`, C^T is stored: element (r, j) goes to c[j * ldc + r]."""
+def _function(module, name, intp, nargs, emit):
+    """The module's internal, never-inlined function `name`, emitted by emit(builder,
+    *args) the first time a kernel of this module asks for it."""
+    fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [intp] * nargs),
+                                        name)
+    if fn.is_declaration:
+        fn.linkage = "internal"
+        fn.attributes.add("noinline")
+        fn.attributes.add("nounwind")
+        body = ir.IRBuilder(fn.append_basic_block("entry"))
+        emit(body, *fn.args)
+        body.ret_void()
+    return fn
+
+
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, transposed,
+               single, itemsize):
+    """The whole product over `rows` rows and `npanels` panels: the panels in balanced
+    groups, each group's rows in balanced tiles (20 rows: 4 x 5, not 6+6+6+2: a thin tail
+    tile does a fraction of a full one's FMAs per panel load), each tile a call of its
+    own function, picked by a switch on its height."""
+    intp = a.type
+    const = functools.partial(ir.Constant, intp)
+    dtype = np.float32 if single else np.float64
+    fn = builder.function
+    first = 0
+    for group in _groups(npanels, panels_per_tile(dtype)):
+        most = tile_height(dtype, group)
+        tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
+        done = cgutils.alloca_once_value(builder, const(0))
+        group_panel = builder.add(panel, builder.mul(builder.mul(const(first), pstride),
+                                                     const(itemsize)))
+        # The group's first column of C, or with `transposed` its first row of C^T.
+        group_c = builder.add(c, builder.mul(const(first * PANEL * itemsize),
+                                             ldc if transposed else const(1)))
+        with cgutils.for_range(builder, tiles) as loop:
+            r = builder.load(done)
+            height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
+            a_r = builder.add(a, builder.mul(builder.mul(r, lda), const(itemsize)))
+            c_r = builder.add(group_c, builder.mul(r, const(itemsize)) if transposed else
+                              builder.mul(builder.mul(r, ldc), const(itemsize)))
+            after = fn.append_basic_block()
+            switch = builder.switch(height, after)
+            for h in range(1, most + 1):
+                case = fn.append_basic_block()
+                switch.add_case(const(h), case)
+                with builder.goto_block(case):
+                    tile = _function(
+                        builder.module,
+                        f"fusedrnn_tile{h}x{group}{'t' if transposed else ''}_"
+                        f"{'f32' if single else 'f64'}_{VECTOR_BITS}", intp, 7,
+                        functools.partial(_emit_tile, rows=h, group=group,
+                                          transposed=transposed, single=single))
+                    builder.call(tile, [a_r, lda, group_panel, pstride, c_r, ldc, k])
+                    builder.branch(after)
+            builder.position_at_end(after)
+            builder.store(builder.add(r, height), done)
+        first += group
+
+
+def _gemm_intrinsic(transposed):
+    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t: module docstring).
+    `npanels` must be a compile-time constant (a literal, a global or a closure's int):
+    the tiles a kernel needs are emitted into its module, and only those."""
 
     @intrinsic
-    def tile(typingctx, a, lda, panel, c, ldc, k, like):
-        for arg in (a, lda, panel, c, ldc, k):
+    def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
+        for arg in (a, lda, rows, panel, pstride, c, ldc, k):
             if not isinstance(arg, types.Integer):
                 return None
         if like not in (types.float32, types.float64):
             return None
+        if not isinstance(npanels, types.IntegerLiteral):
+            return None        # Numba retries with the literal where there is one
+        count = npanels.literal_value
+        if count < 1:
+            raise ValueError(f"panel_gemm: npanels must be >= 1, got {count}")
         single = like == types.float32
+        dtype = np.dtype(np.float32 if single else np.float64)
+        heights = [tile_height(dtype, g) for g in set(_groups(count, panels_per_tile(dtype)))]
+        if not all(1 <= h <= MAX_ROWS for h in heights):
+            raise ValueError(f"microkernel.ROWS: tile heights 1..{MAX_ROWS} exist, got "
+                             f"{ROWS[dtype]}")
+        itemsize = dtype.itemsize
 
         def codegen(context, builder, signature, args):
-            ints = [context.cast(builder, v, t, types.intp)
-                    for v, t in zip(args[:6], signature.args[:6])]
+            ints = [context.cast(builder, args[i], signature.args[i], types.intp)
+                    for i in (0, 1, 2, 3, 4, 6, 7, 8)]
             intp = ints[0].type
-            # Its own function, never inlined, so that its k-loop has the general
-            # registers to itself (module docstring: the stack reloads it had inlined).
-            name = (f"fusedrnn_tile{rows}{'t' if transposed else ''}_"
-                    f"{'f32' if single else 'f64'}_{VECTOR_BITS}")
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [intp] * 6), name)
-            if fn.is_declaration:
-                fn.linkage = "internal"
-                fn.attributes.add("noinline")
-                fn.attributes.add("nounwind")
-                body = ir.IRBuilder(fn.append_basic_block("entry"))
-                _emit_tile(body, *fn.args, rows=rows, transposed=transposed, single=single)
-                body.ret_void()
+            # Its own function, never inlined (nor its tiles), so that each tile's k-loop
+            # has the general registers to itself (module docstring).
+            name = (f"fusedrnn_gemm{count}{'t' if transposed else ''}_"
+                    f"{'f32' if single else 'f64'}_{VECTOR_BITS}_"
+                    f"{'_'.join(map(str, heights))}")
+            fn = _function(builder.module, name, intp, 8, functools.partial(
+                _emit_gemm, npanels=count, transposed=transposed, single=single,
+                itemsize=itemsize))
             builder.call(fn, ints)
             return context.get_dummy_value()
 
-        return types.void(a, lda, panel, c, ldc, k, like), codegen
+        return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, k, like), codegen
 
-    return tile
+    return gemm
 
 
 # Module globals, not closure variables: Numba's disk cache keys on a closure's pickled
 # cells, and a pickled intrinsic or dispatcher differs in every process (a cache miss
 # and a new cache file per process).
-_tile1, _tile2, _tile3, _tile4, _tile5, _tile6 = (_tile_intrinsic(r, False) for r in range(1, 7))
-_tileT1, _tileT2, _tileT3, _tileT4, _tileT5, _tileT6 = (_tile_intrinsic(r, True)
-                                                        for r in range(1, 7))
-
-
-def _tile_params(like):
-    """(rows per register tile, element size in bytes) for like's dtype: each from the
-    dtype itself, neither from the other."""
-    dtype = np.dtype(type(like))
-    return ROWS[dtype], dtype.itemsize
-
-
-@overload(_tile_params)
-def _tile_params_overload(like):
-    dtype = np.dtype(np.float32 if like == types.float32 else np.float64)
-    rows, size = ROWS[dtype], dtype.itemsize
-    if not 1 <= rows <= 6:   # the tiles below exist for 1..6 rows; a taller one would be cut
-        raise ValueError(f"microkernel.ROWS: tile heights 1..6 exist, got {rows}")
-    return lambda like: (rows, size)
-
-
-@nb.njit(inline="always")
-def panel_gemm(a, lda, rows, panel, c, ldc, k, like):
-    """The micro-kernel over `rows` rows (module docstring); `like`: a scalar of the data's
-    dtype, which picks the precision."""
-    mr, itemsize = _tile_params(like)
-    # Balanced tiles (20 rows: 4 x 5, not 6+6+6+2): a thin tail tile does a third of the
-    # FMAs per panel load of a full one.
-    tiles = (rows + mr - 1) // mr
-    r = 0
-    for i in range(tiles):
-        height = (rows - r) // (tiles - i)
-        a_r, c_r = a + r * lda * itemsize, c + r * ldc * itemsize
-        if height == 1:
-            _tile1(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 2:
-            _tile2(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 3:
-            _tile3(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 4:
-            _tile4(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 5:
-            _tile5(a_r, lda, panel, c_r, ldc, k, like)
-        else:
-            _tile6(a_r, lda, panel, c_r, ldc, k, like)
-        r += height
+panel_gemm = _gemm_intrinsic(False)
+_panel_gemm_t = _gemm_intrinsic(True)
 
 
 @nb.njit(inline="always")
@@ -241,32 +321,15 @@ def panel_gemm_t(a, lda, rows, panel, c, ldc, k, like):
     """panel_gemm storing C^T: C (PANEL, rows) with row stride ldc gets (A @ panel)^T.
     Used with A = raw weight rows and panel = 16 samples of the input packed as columns,
     so a weight matrix used once per call (a T=1 step) is read in place, never packed."""
-    mr, itemsize = _tile_params(like)
-    tiles = (rows + mr - 1) // mr
-    r = 0
-    for i in range(tiles):
-        height = (rows - r) // (tiles - i)
-        a_r, c_r = a + r * lda * itemsize, c + r * itemsize
-        if height == 1:
-            _tileT1(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 2:
-            _tileT2(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 3:
-            _tileT3(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 4:
-            _tileT4(a_r, lda, panel, c_r, ldc, k, like)
-        elif height == 5:
-            _tileT5(a_r, lda, panel, c_r, ldc, k, like)
-        else:
-            _tileT6(a_r, lda, panel, c_r, ldc, k, like)
-        r += height
+    _panel_gemm_t(a, lda, rows, panel, 0, 1, c, ldc, k, like)
 
 
 def panel_gemm_for(dtype):
-    """panel_gemm bound to `dtype`, for callers that prefer the 7-argument form."""
+    """panel_gemm over one panel bound to `dtype`, for callers that prefer the 7-argument
+    form."""
     zero = np.dtype(dtype).type(0)
 
     @nb.njit(inline="always")
     def bound(a, lda, rows, panel, c, ldc, k):
-        panel_gemm(a, lda, rows, panel, c, ldc, k, zero)
+        panel_gemm(a, lda, rows, panel, 0, 1, c, ldc, k, zero)
     return bound

@@ -18,7 +18,9 @@ import pytest
 
 from fusedrnn.cpu.lowlevel import gemm
 from fusedrnn.cpu.lowlevel import pack_input_weights, pack_recurrent, pack_recurrent_rows
-from fusedrnn.cpu.lowlevel.microkernel import PANEL, ROWS, panel_gemm_for, panel_gemm_t
+from fusedrnn.cpu.lowlevel import microkernel as mk
+from fusedrnn.cpu.lowlevel.microkernel import (MAX_ROWS, PANEL, ROWS, panel_gemm_for,
+                                               panel_gemm_t)
 from conftest import fresh_compile, launch_fused
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
@@ -27,28 +29,34 @@ TOL = {np.float32: 1e-5, np.float64: 1e-12}   # relative to max |A @ W.T|
 
 
 @functools.cache
-def driver(dtype):
-    """C[b, :, g*16:(g+1)*16] = A @ panels[b, g], panel by panel."""
+def driver(dtype, together=0):
+    """C[b, :, g*16:(g+1)*16] = A @ panels[b, g]: panel by panel, or with `together` all G
+    (== together) panels of a block in one call, as the fused forward multiplies them."""
     panel_gemm, itemsize = panel_gemm_for(dtype), np.dtype(dtype).itemsize
+    zero = np.dtype(dtype).type(0)
 
     @nb.njit
     def run(a, lda, rows, panels, c):
+        K = panels.shape[2]
         for b in range(panels.shape[0]):
+            if together:
+                mk.panel_gemm(a.ctypes.data, lda, rows, panels[b, 0].ctypes.data, K * PANEL,
+                              together, c[b].ctypes.data, c.shape[2], K, zero)
+                continue
             for g in range(panels.shape[1]):
                 panel_gemm(a.ctypes.data, lda, rows, panels[b, g].ctypes.data,
-                           c[b].ctypes.data + g * PANEL * itemsize, c.shape[2],
-                           panels.shape[2])
+                           c[b].ctypes.data + g * PANEL * itemsize, c.shape[2], K)
     return run
 
 
-def product(a, panels):
+def product(a, panels, together=False):
     """A @ panels through the kernel, into a NaN-poisoned C (B, rows, G*16 + C_PAD)."""
     rows, K = a.shape
     a_strided = np.full((rows, K + A_PAD), np.nan, a.dtype)
     a_strided[:, :K] = a
     B, G = panels.shape[:2]
     c = np.full((B, rows, G * PANEL + C_PAD), np.nan, a.dtype)
-    driver(a.dtype.type)(a_strided, K + A_PAD, rows, panels, c)
+    driver(a.dtype.type, G if together else 0)(a_strided, K + A_PAD, rows, panels, c)
     return c
 
 
@@ -61,14 +69,29 @@ def panel_rel_err(c, want, G):
 @pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
 @pytest.mark.parametrize("gates", [1, 3, 4])
 @pytest.mark.parametrize("K", [1, 7, 64])
-# Every height up to two float32 tiles + 1 (all tail splits), and 20 (balanced 4 x 5).
-@pytest.mark.parametrize("rows", [*range(1, 2 * max(ROWS.values()) + 2), 20])
+# Every height up to two of the tallest tiles + 1 (all tail splits), and 20.
+@pytest.mark.parametrize("rows", [*range(1, 2 * MAX_ROWS + 2), 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_panel_gemm_with_packed_columns_matches_numpy(dtype, rows, K, gates, H):
+    """Each gate's panel by itself."""
+    check_packed_columns(dtype, rows, K, gates, H, together=False)
+
+
+@pytest.mark.parametrize("gates", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("K", [7, 64])
+@pytest.mark.parametrize("rows", [*range(1, 2 * MAX_ROWS + 2), 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_panel_gemm_over_a_blocks_panels_matches_numpy(dtype, rows, K, gates):
+    """All of a block's panels in one call: tiles of several panels, in balanced groups
+    where there are more than one tile covers (5 -> 3 + 2 in float32, 8 -> 4 + 4)."""
+    check_packed_columns(dtype, rows, K, gates, 17, together=True)
+
+
+def check_packed_columns(dtype, rows, K, gates, H, together):
     rng = np.random.default_rng([rows, K, gates, H])
     a = rng.standard_normal((rows, K)).astype(dtype)
     w = rng.standard_normal((gates * H, K)).astype(dtype)
-    c = product(a, pack_recurrent(w, gates))
+    c = product(a, pack_recurrent(w, gates), together)
     B = -(-H // PANEL)
     # Expected, in C's layout: block b, gate g, unit u is column g*H + 16b + u of A @ W.T,
     # and exactly 0 for the padding units past H (their packed weights are 0).
@@ -170,25 +193,35 @@ def test_tile_height_does_not_decide_the_element_size():
 TALL_TILE = """
 import numpy as np, numba as nb
 from fusedrnn.cpu.lowlevel import microkernel as mk
-mk.ROWS[np.dtype(np.float32)] = 7
+mk.ROWS[np.dtype(np.float32)] = {rows}
 gemm = mk.panel_gemm_for(np.float32)
 
 @nb.njit
 def run(a, panel, c):
     gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
          c.shape[1], a.shape[1])
-a = np.ones((8, 4), np.float32)
-run(a, np.ones((4, mk.PANEL), np.float32), np.empty((8, mk.PANEL), np.float32))
+rng = np.random.default_rng(5)
+a = rng.standard_normal((19, 4)).astype(np.float32)
+panel = rng.standard_normal((4, mk.PANEL)).astype(np.float32)
+c = np.full((19, mk.PANEL), np.nan, np.float32)
+run(a, panel, c)
+assert np.allclose(c, a @ panel, rtol=1e-5, atol=1e-5)
+print("ok")
 """
 
 
-def test_a_tile_height_without_a_tile_is_refused():
-    """ROWS above the tallest tile (6) would compute 6 rows of each 7 and leave the rest
-    unwritten; typing the kernel refuses it instead."""
-    done = subprocess.run([sys.executable, "-c", TALL_TILE], capture_output=True, text=True,
-                          timeout=600)
+def test_any_tile_height_up_to_the_tallest_computes_and_taller_is_refused():
+    """Tiles are emitted for the heights asked for (7 rows: 7 + 6 + 6 for 19); past
+    MAX_ROWS (8) typing the kernel refuses, since the k-loop would run out of general
+    registers for the rows' addresses."""
+    done = subprocess.run([sys.executable, "-c", TALL_TILE.format(rows=7)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", TALL_TILE.format(rows=MAX_ROWS + 1)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
-    assert "tile heights 1..6 exist, got 7" in done.stderr, done.stderr[-2000:]
+    assert f"tile heights 1..{MAX_ROWS} exist, got {MAX_ROWS + 1}" in done.stderr, \
+        done.stderr[-2000:]
 
 
 # The tile's k-loop in the asm of a kernel that uses it: a block holding at least 8 FMAs.
@@ -215,7 +248,8 @@ def _tile_loops(asm):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
-@pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward"])
+@pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward",
+                                    "fused forward lstm", "fused forward gru float64"])
 def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
@@ -231,11 +265,15 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
         c = np.full((40, 48), np.nan, dtype)
         gemm.project(a, wpack, c, np.empty((1, gemm.CHUNK, PANEL), dtype))
         np.testing.assert_allclose(c, a @ w.T, rtol=1e-5, atol=1e-5)
-        dispatcher = gemm._project
-        signature = next(s for s in dispatcher.signatures if s[0].dtype == nb.from_dtype(dtype))
+        # (A product this small runs the serial build: gemm.SERIAL_WORK.)
+        dispatcher, signature = next(
+            (d, s) for d in (gemm._project, gemm._project_serial) for s in d.signatures
+            if s[0].dtype == nb.from_dtype(dtype))
     else:
-        launch_fused("rnn_relu", np.float32, 3)
-        dispatcher = fused.fused_layer("rnn_relu", np.float32)._forward
+        mode = kernel.split()[2] if len(kernel.split()) > 2 else "rnn_relu"
+        dtype = np.float64 if kernel.endswith("float64") else np.float32
+        launch_fused(mode, dtype, 3)
+        dispatcher = fused.fused_layer(mode, dtype)._forward
         assert dispatcher.signatures, f"{kernel}: the call did not launch it"
         signature = dispatcher.signatures[0]
     asm = fresh_compile(dispatcher, signature).inspect_asm(signature)
