@@ -26,8 +26,10 @@ embedded {1to16} operand), float64 6 x 2 zmm; at 256 bits (AVX2, 16 registers) t
 stay one panel: float32 6 rows x 2 ymm, float64 3 rows x 4 ymm, which needs 17, so LLVM
 keeps one accumulator on the stack: the spill-free float64 tiles tried did not make the
 op faster. At 512 bits float64 also takes this kernel for its input projection
-(FusedLayer.projects_input). Results are bitwise equal at any width and tile shape (the
-same FMAs in the same order per element). The several-panel tiles were measured on a
+(FusedLayer.projects_input). A one-panel tile of few rows keeps 2-4 partial sums per
+accumulator over alternate k (k_split: 1 row 40 -> 75-86 GFLOP/s a core, 6 rows 201 ->
+220), so the order of its additions, and the last bits of a result, depend on the
+tile's height and width, never on the thread count. The several-panel tiles were measured on a
 Zen 5 only; on a Zen 4 (512-bit FMAs as two halves, one a cycle) they do no more FMAs
 per load than the tile they replace, and are untested for speed; on Intel's AVX-512
 parts the rule is untested.
@@ -144,6 +146,17 @@ def tile_height(dtype, group):
     return min(MAX_ROWS, ACCUMULATORS[VECTOR_BITS] // (group * vectors))
 
 
+def k_split(rows, group, vectors):
+    """Partial sums per accumulator: a tile of one panel and few rows has too few
+    independent sums for the FMA's latency (1 row: 1 chain, 40 GFLOP/s a core), so it
+    keeps `split` sums, over k = 0, 1, .. (mod split), added at the end: at least 8
+    chains, at most 4 per accumulator. Several-panel tiles of few rows are bound by
+    loading their panels instead, and do not split."""
+    if group > 1:
+        return 1
+    return max(1, min(4, -(-8 // (rows * vectors))))
+
+
 def _groups(npanels, most):
     """npanels split into balanced groups of at most `most` (4 by 3: 2 + 2, not 3 + 1)."""
     count = -(-npanels // most)
@@ -167,13 +180,16 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, trans
     b_ptr = builder.inttoptr(panel, scalar.as_pointer())
     c_ptr = builder.inttoptr(c, scalar.as_pointer())
     const = functools.partial(ir.Constant, intp)
-    # Allocas in the entry block: LLVM promotes them to registers (mem2reg).
-    acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None))
+    split = k_split(rows, group, vectors)
+    # Allocas in the entry block: LLVM promotes them to registers (mem2reg). With a
+    # k-split, acc[r][v][s] sums the k = s (mod split) terms.
+    acc = [[[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(split)]
             for _ in range(group * vectors)] for _ in range(rows)]
     splat = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
     undef = ir.Constant(vec, ir.Undefined)
-    with cgutils.for_range(builder, k) as loop:
-        kk = loop.index
+
+    def step(kk, s):
+        """The FMAs of one k into the s-th partial sums."""
         b = []
         for j in range(group):
             row = builder.gep(b_ptr, [builder.add(builder.mul(kk, const(PANEL)),
@@ -188,11 +204,25 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, trans
                 builder.insert_element(undef, a_rk, ir.Constant(ir.IntType(32), 0)),
                 undef, splat)
             for v in range(group * vectors):
-                builder.store(builder.call(fma, [a_vec, b[v], builder.load(acc[r][v])]),
-                              acc[r][v])
+                builder.store(builder.call(fma, [a_vec, b[v], builder.load(acc[r][v][s])]),
+                              acc[r][v][s])
+
+    rounds = builder.udiv(k, const(split))
+    with cgutils.for_range(builder, rounds) as loop:
+        for s in range(split):
+            step(builder.add(builder.mul(loop.index, const(split)), const(s)), s)
+    tail = builder.mul(rounds, const(split))       # the k % split left over
+    with cgutils.for_range(builder, builder.sub(k, tail)) as loop:
+        step(builder.add(tail, loop.index), 0)
     for r in range(rows):
         for v in range(group * vectors):
-            value = builder.load(acc[r][v])
+            total = builder.load(acc[r][v][0])
+            for s in range(1, split):
+                total = builder.fadd(total, builder.load(acc[r][v][s]))
+            builder.store(total, acc[r][v][0])
+    for r in range(rows):
+        for v in range(group * vectors):
+            value = builder.load(acc[r][v][0])
             if transposed:   # one scalar store per lane: 16*rows per tile, cheap
                 for lane in range(lanes):
                     at = builder.add(builder.mul(const(v * lanes + lane), ldc), const(r))
