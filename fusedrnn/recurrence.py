@@ -298,7 +298,7 @@ class RecurrentOp:
                 self._direction_backward(layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
                                          opts, masks, b, g_h0, g_c0)
             dx = g_data if layer == 0 else b.dys
-            xp.matmul(b.dgx, self.packed_wx(params, layer), out=dx.reshape(T * N, -1))
+            self.backend.matmul(b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
             if layer > 0 and reserve.masks:
                 b.dys *= reserve.masks[layer - 1]
             dy = b.dys
@@ -328,12 +328,13 @@ class RecurrentOp:
         if cell.has_cell_state:
             g_c0[idx] = b.dc_carry
         # Weight gradients: one GEMM over all T*N rows per direction.
-        xp.matmul(b.dgx[:, cols].T, x2d, out=lay.view(g_params, layer, d, "W_x"))
-        xp.matmul(dgh[:, cols].T, hs[d, prev:prev + T].reshape(T * N, R),
-                  out=lay.view(g_params, layer, d, "W_h"))
+        gemm = self.backend.matmul
+        gemm(b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x"), transpose_a=True)
+        gemm(dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
+             lay.view(g_params, layer, d, "W_h"), transpose_a=True)
         if proj:
-            xp.matmul(b.dr.reshape(T * N, R).T, reserve.hraw[layer, d].reshape(T * N, -1),
-                      out=lay.view(g_params, layer, d, "W_r"))
+            gemm(b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
+                 lay.view(g_params, layer, d, "W_r"), transpose_a=True)
         xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
         xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
 

@@ -10,6 +10,7 @@ from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numb
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
 from .cells import cell_kernels
 from .fused import fused_layer
+from .lowlevel import CHUNK, PANEL, VECTOR_BITS, pack_recurrent_rows, project
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -19,6 +20,13 @@ __all__ = ["CpuBackend", "BACKEND"]
 # more from a second thread than its spinning costs.
 # Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
 ONE_THREAD_GEMM_WORK = 1 << 32
+# A training GEMM a @ b (the input gradient dG @ W_x) of at least this many multiply-adds
+# runs on the micro-kernel: at T=300 N=20 I=H=800 (LSTM) 481 GFLOP/s against numpy's 242.
+# Smaller ones lose more than they gain to packing b and to OpenBLAS's threads, still
+# spinning from the weight-gradient GEMMs beside them (LSTM T=20 N=32 H=256 training, a
+# 1.7e8 product: 0.90x). The weight gradients (a^T @ b, K = T*N long) stay on numpy's.
+# Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
+OWN_GEMM_WORK = 1 << 28
 
 
 class CpuBackend:
@@ -49,6 +57,23 @@ class CpuBackend:
                    for layer in range(config.num_layers))
         return threads.BLAS_ONE_THREAD if work <= ONE_THREAD_GEMM_WORK else \
             contextlib.nullcontext()
+
+    @staticmethod
+    def matmul(a, b, out, transpose_a=False):
+        """out = a @ b, or a^T @ b (the training GEMMs: input and weight gradients).
+        a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
+        Numba's threads (lowlevel.gemm, b packed into panels first) wherever the input
+        projection does (FusedLayer.projects_input's rule); the rest on numpy's BLAS.
+        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms"""
+        M, K = a.shape[::-1] if transpose_a else a.shape
+        own = not transpose_a and M * K * b.shape[1] >= OWN_GEMM_WORK and \
+            (out.dtype == np.float32 or VECTOR_BITS == 512) and a.flags.c_contiguous and \
+            b.flags.c_contiguous and out.flags.c_contiguous and \
+            a.dtype == b.dtype == out.dtype
+        if not own:
+            return np.matmul(a.T if transpose_a else a, b, out=out)
+        spill = np.empty((-(-M // CHUNK), CHUNK, PANEL), out.dtype)
+        return project(a, pack_recurrent_rows(b), out, spill)
 
     @staticmethod
     def is_array(value):

@@ -34,6 +34,10 @@ class GpuBackend:
         """cuBLAS runs on the device: nothing to cap on the host."""
         return contextlib.nullcontext()
 
+    def matmul(self, a, b, out, transpose_a=False):
+        """out = a @ b, or a^T @ b, by cuBLAS."""
+        return self.xp.matmul(a.T if transpose_a else a, b, out=out)
+
     def is_array(self, value):
         return isinstance(value, self.xp.ndarray)
 

@@ -72,6 +72,10 @@ class HostCudaBackend:
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
         self.launches = []
 
+    def matmul(self, a, b, out, transpose_a=False):
+        """As the GPU backend's (cuBLAS there, numpy here)."""
+        return self.xp.matmul(a.T if transpose_a else a, b, out=out)
+
     def fused_layer(self, config, dtype, batch):
         if self.limits is None or config.projection_size:
             return None

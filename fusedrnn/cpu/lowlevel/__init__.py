@@ -5,7 +5,8 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
                  against packed panels; tile_settings() for jitcache's stamp
     packing      panels, pack_recurrent, pack_recurrent_rows, pack_input_weights,
                  pack_panel: every weight layout the micro-kernel reads
-    gemm         project, CHUNK: the input projection of all steps on Numba's threads
+    gemm         project, CHUNK: the input projection of all steps, and the input
+                 gradient's GEMM, on Numba's threads
     rows         row_copy, row_add, row_add3: 16-element vector row moves
     workshare    claim, finish, new_counters: the steps' blocks shared in one region
     mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math

@@ -1,0 +1,33 @@
+"""fusedrnn.cpu.CpuBackend.matmul, the op's training GEMMs: a @ b on the micro-kernel
+above OWN_GEMM_WORK and a^T @ b on numpy's BLAS, each against float64 numpy into a
+NaN-poisoned output, at sizes on both sides of the threshold."""
+import numpy as np
+import pytest
+
+import fusedrnn.cpu as cpu
+from fusedrnn.cpu import CpuBackend
+
+TOL = {np.float32: 2e-6, np.float64: 1e-13}   # relative to max |a @ b|, K up to 3000
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301)])   # (M, K, C)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
+    M, K, C = shape
+    rng = np.random.default_rng([M, K, C])
+    # a as the op passes it: for a^T @ b a column slice of a wider matrix (row stride >
+    # its width), as dG's columns of one direction are.
+    wide = rng.standard_normal((K, 2 * M) if transpose_a else (M, K)).astype(dtype)
+    a = wide[:, M:] if transpose_a else wide
+    b = rng.standard_normal((K, C)).astype(dtype)
+    out = np.full((M, C), np.nan, dtype)
+    calls = []
+    monkeypatch.setattr(cpu, "project", lambda *args: calls.append(1) or
+                        cpu.lowlevel.project(*args))
+    CpuBackend.matmul(a, b, out, transpose_a=transpose_a)
+    want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
+    own = not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK and (
+        dtype == np.float32 or cpu.VECTOR_BITS == 512)
+    assert bool(calls) == own, "the micro-kernel ran where the rule says numpy (or back)"
