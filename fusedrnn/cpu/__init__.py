@@ -9,8 +9,8 @@ from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numb
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
 from .cells import cell_kernels
-from .fused import fused_layer
-from .lowlevel import CHUNK, PANEL, VECTOR_BITS, pack_recurrent_rows, project
+from .fused import fused_layer, own_gemm
+from .lowlevel import CHUNK, PANEL, pack_recurrent_rows, project
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -67,7 +67,7 @@ class CpuBackend:
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms"""
         M, K = a.shape[::-1] if transpose_a else a.shape
         own = not transpose_a and M * K * b.shape[1] >= OWN_GEMM_WORK and \
-            (out.dtype == np.float32 or VECTOR_BITS == 512) and a.flags.c_contiguous and \
+            own_gemm(out.dtype) and a.flags.c_contiguous and \
             b.flags.c_contiguous and out.flags.c_contiguous and \
             a.dtype == b.dtype == out.dtype
         if not own:

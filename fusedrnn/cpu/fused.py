@@ -367,7 +367,7 @@ class FusedLayer:
         # says why), and in float64 where the tiles are 512 bits wide; with 256-bit tiles
         # numpy's dgemm was faster.
         # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
-        self.projects_input = self.dtype == np.float32 or VECTOR_BITS == 512
+        self.projects_input = own_gemm(self.dtype)
         self._forward, self._forward_single = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
             for single in (False, True))
@@ -492,6 +492,12 @@ class FusedLayer:
 
 _layers: dict = {}
 _lock = threading.Lock()
+
+
+def own_gemm(dtype):
+    """Whether the micro-kernel beats numpy's BLAS at a large product in `dtype`: float32,
+    and float64 where the tiles are 512 bits wide (FusedLayer.projects_input says why)."""
+    return np.dtype(dtype) == np.float32 or VECTOR_BITS == 512
 
 
 def fused_layer(mode, dtype):

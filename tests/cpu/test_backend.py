@@ -28,6 +28,5 @@ def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
     CpuBackend.matmul(a, b, out, transpose_a=transpose_a)
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
-    own = not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK and (
-        dtype == np.float32 or cpu.VECTOR_BITS == 512)
+    own = not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK and cpu.own_gemm(dtype)
     assert bool(calls) == own, "the micro-kernel ran where the rule says numpy (or back)"
