@@ -144,17 +144,18 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                    like)
                     else:
                         for g in range(gates):
-                            # (W rows of this block's units) @ (16 samples as columns),
-                            # stored transposed into the tile: the weights are read once,
-                            # in place.
-                            for p in range(x_cols.shape[0]):
-                                c = tile.ctypes.data + p * PANEL * row * itemsize
-                                panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
-                                             width, x_cols[p].ctypes.data,
-                                             c + (_X + g) * PANEL * itemsize, row, K, like)
-                                panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
-                                             width, h_cols[p].ctypes.data,
-                                             c + (_R + g) * PANEL * itemsize, row, H, like)
+                            # (W rows of this block's units) @ (all samples, 16 to a
+                            # column panel), stored transposed into the tile: the
+                            # weights are read once, in place.
+                            c = tile.ctypes.data
+                            panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
+                                         width, x_cols.ctypes.data, K * PANEL,
+                                         x_cols.shape[0], c + (_X + g) * PANEL * itemsize,
+                                         row, K, like)
+                            panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
+                                         width, h_cols.ctypes.data, H * PANEL,
+                                         h_cols.shape[0], c + (_R + g) * PANEL * itemsize,
+                                         row, H, like)
                             for n in range(N):   # units past H (a partial block): defined zeros
                                 for u in range(width, PANEL):
                                     tile[n, (_R + g) * PANEL + u] = 0

@@ -128,24 +128,29 @@ def test_panel_gemm_with_packed_rows_matches_numpy(dtype, rows, R):
 @functools.cache
 def transposed_driver(dtype):
     @nb.njit
-    def run(a, lda, rows, panel, c):
-        panel_gemm_t(a.ctypes.data, lda, rows, panel.ctypes.data, c.ctypes.data, c.shape[1],
-                     panel.shape[0], dtype(0))
+    def run(a, lda, rows, panels, c):
+        panel_gemm_t(a.ctypes.data, lda, rows, panels.ctypes.data,
+                     panels.shape[1] * panels.shape[2], panels.shape[0], c.ctypes.data,
+                     c.shape[1], panels.shape[1], dtype(0))
     return run
 
 
+@pytest.mark.parametrize("npanels", [1, 2, 3, 5])
 @pytest.mark.parametrize("K", [1, 7, 64])
 @pytest.mark.parametrize("rows", [*range(1, 2 * max(ROWS.values()) + 2), 16, 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K):
-    """C (16, ldc) gets (A @ panel)^T in its first `rows` columns; the rest stays NaN."""
-    rng = np.random.default_rng([rows, K, 1])
+def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K, npanels):
+    """C (npanels*16, ldc) gets (A @ [panel_0 ..])^T in its first `rows` columns, panel p
+    in rows 16p..16p+15 (pairs of panels per tile, then one: odd counts too); the rest
+    of C stays NaN."""
+    rng = np.random.default_rng([rows, K, npanels, 1])
     a = np.full((rows, K + A_PAD), np.nan, dtype)
     a[:, :K] = rng.standard_normal((rows, K))
-    panel = rng.standard_normal((K, PANEL)).astype(dtype)
-    c = np.full((PANEL, rows + C_PAD), np.nan, dtype)
-    transposed_driver(dtype)(a, K + A_PAD, rows, panel, c)
-    want = (a[:, :K].astype(np.float64) @ panel.astype(np.float64)).T
+    panels = rng.standard_normal((npanels, K, PANEL)).astype(dtype)
+    c = np.full((npanels * PANEL, rows + C_PAD), np.nan, dtype)
+    transposed_driver(dtype)(a, K + A_PAD, rows, panels, c)
+    want = np.concatenate([(a[:, :K].astype(np.float64) @ panel.astype(np.float64)).T
+                           for panel in panels])
     assert np.max(np.abs(c[:, :rows] - want)) / np.max(np.abs(want)) <= TOL[dtype]
     assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
 
@@ -165,8 +170,8 @@ for dtype in (np.float32, np.float64):
     def run(a, panel, c, ct):
         gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
              c.shape[1], a.shape[1])
-        gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, ct.ctypes.data,
-               ct.shape[1], a.shape[1], zero)
+        gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, 0, 1,
+               ct.ctypes.data, ct.shape[1], a.shape[1], zero)
     rng = np.random.default_rng(7)
     a = rng.standard_normal((20, 33)).astype(dtype)
     panel = rng.standard_normal((33, mk.PANEL)).astype(dtype)
@@ -249,7 +254,8 @@ def _tile_loops(asm):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
 @pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward",
-                                    "fused forward lstm", "fused forward gru float64"])
+                                    "fused forward lstm", "fused forward gru float64",
+                                    "fused single step lstm"])
 def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
@@ -269,6 +275,11 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
         dispatcher, signature = next(
             (d, s) for d in (gemm._project, gemm._project_serial) for s in d.signatures
             if s[0].dtype == nb.from_dtype(dtype))
+    elif kernel.startswith("fused single step"):   # the transposed tiles (T=1)
+        launch_fused("lstm", np.float32, 1)
+        dispatcher = fused.fused_layer("lstm", np.float32)._forward_single_serial
+        assert dispatcher.signatures, f"{kernel}: the call did not launch it"
+        signature = dispatcher.signatures[0]
     else:
         mode = kernel.split()[2] if len(kernel.split()) > 2 else "rnn_relu"
         dtype = np.float64 if kernel.endswith("float64") else np.float32
@@ -309,7 +320,7 @@ for dtype in (np.float32, np.float64):
     def run(a, panel, c, ct):
         gemm(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, c.ctypes.data,
              c.shape[1], a.shape[1])
-        mk.panel_gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data,
+        mk.panel_gemm_t(a.ctypes.data, a.shape[1], a.shape[0], panel.ctypes.data, 0, 1,
                         ct.ctypes.data, ct.shape[1], a.shape[1], zero)
     rng = np.random.default_rng(11)
     for rows in (1, 2, 3, 4, 5, 6, 7, 13, 20):
