@@ -175,9 +175,9 @@ class RecurrentOp:
         return packed
 
     def project_input(self, layer, x, params):
-        """scratch.xproj = W_x x_t of every step and both directions, one BLAS GEMM."""
+        """scratch.xproj = W_x x_t of every step and both directions, one GEMM."""
         x2d = x.reshape(self.T * self.N, -1)
-        self.xp.matmul(x2d, self.packed_wx(params, layer).T, out=self.scratch.xproj)
+        self.backend.matmul(x2d, self.packed_wx(params, layer).T, self.scratch.xproj)
 
     def steps(self, d):
         return range(self.T) if d == 0 else range(self.T - 1, -1, -1)

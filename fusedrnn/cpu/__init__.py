@@ -5,6 +5,7 @@ import contextlib
 
 import numpy as np
 
+from ..config import TORCH_CALLER
 from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numba layer first)
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
@@ -14,17 +15,12 @@ from .lowlevel import CHUNK, PANEL, pack_recurrent_rows, project
 
 __all__ = ["CpuBackend", "BACKEND"]
 
-# A call from a torch program whose BLAS GEMMs (training: each layer's weight gradients
-# and input gradient, about T*N*G*H*(2*In + R) multiply-adds per direction) total at most
-# this many runs them on one thread (threads.BlasOneThread says why); larger ones gain
-# more from a second thread than its spinning costs.
-# Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
-ONE_THREAD_GEMM_WORK = 1 << 32
 # A training GEMM a @ b (the input gradient dG @ W_x) of at least this many multiply-adds
 # runs on the micro-kernel: at T=300 N=20 I=H=800 (LSTM) 481 GFLOP/s against numpy's 242.
 # Smaller ones lose more than they gain to packing b and to OpenBLAS's threads, still
 # spinning from the weight-gradient GEMMs beside them (LSTM T=20 N=32 H=256 training, a
-# 1.7e8 product: 0.90x). The weight gradients (a^T @ b, K = T*N long) stay on numpy's.
+# 1.7e8 product: 0.90x). The weight gradients (a^T @ b, K = T*N long) stay on numpy's,
+# or in a torch program on torch's (CpuBackend.matmul).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GEMM_WORK = 1 << 28
 
@@ -48,32 +44,37 @@ class CpuBackend:
 
     @staticmethod
     def blas_scope(config, seq_len, batch):
-        """The context an op's BLAS calls run in: numpy's BLAS on one thread for a torch
-        program's call (threads.BlasOneThread), unless the op's GEMMs are large
-        (ONE_THREAD_GEMM_WORK)."""
-        G, H, R = config.cell.gates, config.state_size, config.recurrent_size
-        work = sum(config.directions * seq_len * batch * G * H *
-                   (2 * config.layer_input_size(layer) + R)
-                   for layer in range(config.num_layers))
-        return threads.BLAS_ONE_THREAD if work <= ONE_THREAD_GEMM_WORK else \
-            contextlib.nullcontext()
+        """The context an op's numpy BLAS calls run in: one thread for a torch program's
+        call (threads.BlasOneThread says why and when), whatever the op's size."""
+        return threads.BLAS_ONE_THREAD
 
     @staticmethod
     def matmul(a, b, out, transpose_a=False):
-        """out = a @ b, or a^T @ b (the training GEMMs: input and weight gradients).
+        """out = a @ b, or a^T @ b (the op's large GEMMs: the input projection where the
+        fused layer does not run it, the input and weight gradients).
         a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
         Numba's threads (lowlevel.gemm, b packed into panels first) wherever the input
-        projection does (FusedLayer.projects_input's rule); the rest on numpy's BLAS.
-        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms"""
+        projection does (FusedLayer.projects_input's rule). The rest runs on numpy's
+        BLAS, or in a torch program (config.TORCH_CALLER) on torch's GEMM and thread
+        pool: there OpenBLAS's threads, spinning after each GEMM, took a core from the
+        program's own ops (a torch Linear beside a training step 2.3x slower) and on
+        one thread the GEMMs are slow (the acoustic model's step: numpy's BLAS on one
+        thread 534 ms, torch's 438 ms).
+        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
+        #threads-blas-on-one-thread"""
         M, K = a.shape[::-1] if transpose_a else a.shape
         own = not transpose_a and M * K * b.shape[1] >= OWN_GEMM_WORK and \
             own_gemm(out.dtype) and a.flags.c_contiguous and \
             b.flags.c_contiguous and out.flags.c_contiguous and \
             a.dtype == b.dtype == out.dtype
-        if not own:
-            return np.matmul(a.T if transpose_a else a, b, out=out)
-        spill = np.empty((-(-M // CHUNK), CHUNK, PANEL), out.dtype)
-        return project(a, pack_recurrent_rows(b), out, spill)
+        if own:
+            spill = np.empty((-(-M // CHUNK), CHUNK, PANEL), out.dtype)
+            return project(a, pack_recurrent_rows(b), out, spill)
+        torch_gemm = TORCH_CALLER.get()
+        if torch_gemm is not None and a.dtype == b.dtype == out.dtype and \
+                all(x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
+            return torch_gemm(a, b, out, transpose_a)
+        return np.matmul(a.T if transpose_a else a, b, out=out)
 
     @staticmethod
     def is_array(value):

@@ -75,8 +75,9 @@ class BlasOneThread:
     one thread; leaving restores the count it found. Why: after a threaded GEMM
     OpenBLAS's workers spin for about 0.1 s and take a core from torch's own ops (a
     Linear + loss beside a fusedrnn training step took 2.2x as long, the step itself
-    1.5x). In a numpy program the second thread makes the training GEMMs faster instead,
-    so there the count is left alone.
+    1.5x). There the op's large GEMMs run on torch's pool instead (CpuBackend.matmul),
+    so what stays on numpy's BLAS is small. In a numpy program the second thread makes
+    the training GEMMs faster, so there the count is left alone.
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
     Calls from other threads leave it alone too: OpenBLAS's count is process-wide, and
     here a change made from a second thread was not always honoured, so a restore from
@@ -89,7 +90,7 @@ class BlasOneThread:
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        cap = TORCH_CALLER.get() and not any(self._entered)
+        cap = TORCH_CALLER.get() is not None and not any(self._entered)
         if cap:
             if self._libs is None:   # scanning the loaded libraries takes ~3 ms: once
                 self._libs = threadpoolctl.ThreadpoolController().select(

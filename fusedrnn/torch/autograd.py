@@ -32,11 +32,21 @@ def to_tensor(array):
     return None if array is None else torch.from_dlpack(array)
 
 
+def _torch_gemm(a, b, out, transpose_a=False):
+    """out = a @ b, or a^T @ b, numpy arrays, by torch on its own thread pool (zero-copy
+    views; config.TORCH_CALLER). The arrays must be writeable with non-negative strides
+    (torch.from_numpy's conditions; CpuBackend.matmul checks)."""
+    a = torch.from_numpy(a)
+    torch.matmul(a.T if transpose_a else a, torch.from_numpy(b), out=torch.from_numpy(out))
+    return out
+
+
 @contextlib.contextmanager
 def _from_torch(tensor):
     """Around every call into the op: on torch's stream, and marked as a torch program's
-    call (config.TORCH_CALLER: the CPU backend then keeps numpy's BLAS off torch's cores)."""
-    token = TORCH_CALLER.set(True)
+    call (config.TORCH_CALLER: the CPU backend then runs its GEMMs on torch's threads and
+    keeps numpy's BLAS off torch's cores)."""
+    token = TORCH_CALLER.set(_torch_gemm)
     try:
         with _same_stream(tensor):
             yield

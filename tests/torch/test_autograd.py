@@ -190,10 +190,12 @@ def test_torch_path_checks_its_arguments():
 
 
 def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
-    """The forward and the backward reach the op with config.TORCH_CALLER set (the CPU
-    backend keeps numpy's BLAS off torch's cores then), and it is unset afterwards."""
+    """The forward and the backward reach the op with config.TORCH_CALLER holding torch's
+    GEMM (the CPU backend runs its GEMMs there and keeps numpy's BLAS off torch's cores),
+    and it is unset afterwards."""
     from fusedrnn import op
     from fusedrnn.config import TORCH_CALLER
+    from fusedrnn.torch import autograd
     seen = []
     for name in ("RNN", "rnn_backward"):
         real = getattr(op, name)
@@ -202,5 +204,49 @@ def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
     rnn = ft.GRU(4, 5)
     out, _ = rnn(torch.randn(3, 2, 4))
     out.sum().backward()
-    assert seen == [("RNN", True), ("rnn_backward", True)]
-    assert TORCH_CALLER.get() is False
+    assert [(name, gemm) for name, gemm in seen] == [("RNN", autograd._torch_gemm),
+                                                      ("rnn_backward", autograd._torch_gemm)]
+    assert TORCH_CALLER.get() is None
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_gemm_computes_into_numpy_views(dtype, transpose_a):
+    """The GEMM a torch program's call hands the CPU backend (autograd._torch_gemm): a
+    column slice of a wider matrix as a (the op's dG of one direction), into a
+    NaN-poisoned row slice of a bigger output, against float64."""
+    from fusedrnn.torch import autograd
+    rng = np.random.default_rng(5)
+    M, K, C = 19, 33, 21
+    wide = rng.standard_normal((K, 2 * M) if transpose_a else (M, 2 * K)).astype(dtype)
+    a = wide[:, M:] if transpose_a else wide[:, K:]
+    b = rng.standard_normal((K, C)).astype(dtype)
+    big = np.full((M + 3, C), np.nan, dtype)
+    out = big[1:M + 1]
+    assert autograd._torch_gemm(a, b, out, transpose_a) is out
+    want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(out - want)) <= (2e-6 if dtype == np.float32 else 1e-13) * \
+        np.max(np.abs(want))
+    assert np.isnan(big[0]).all() and np.isnan(big[M + 1:]).all()
+
+
+def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch):
+    """In a fusedrnn.torch training step the CPU backend's GEMMs reach torch's GEMM
+    (CpuBackend.matmul's rule: every product below the micro-kernel's threshold), and
+    the gradients still equal torch.nn's."""
+    from fusedrnn.torch import autograd
+    calls = []
+    real = autograd._torch_gemm
+    monkeypatch.setattr(autograd, "_torch_gemm", lambda *a: calls.append(a[3]) or real(*a))
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(6, 7, num_layers=2, bidirectional=True).double()
+    mine = ft.LSTM(6, 7, num_layers=2, bidirectional=True).double()
+    mine.load_state_dict(ref.state_dict())
+    grads = []
+    for m in (ref, mine):
+        x = torch.randn(5, 3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        m(x)[0].square().sum().backward()
+        grads.append(x.grad)
+    assert True in calls and False in calls, calls   # weight and input gradients
+    assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
