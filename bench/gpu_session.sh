@@ -9,6 +9,10 @@
 #   bash bench/gpu_session.sh grid MODE    # the GPU size grid of one mode (4 x 6 x 6 sizes,
 #                                          # inference and training; one call per mode keeps
 #                                          # each under the device's 10 minutes)
+#   bash bench/gpu_session.sh tiles        # the persistent forward's register tile and
+#                                          # k-slices (FUSEDRNN_GPU_TILE): parity of the
+#                                          # tiled plans, then the design-doc cases under
+#                                          # each, cuDNN beside; what the plan's rule awaits
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -67,8 +71,22 @@ case "$phase" in
             --json "$OUT/gpu-grid-$mode.json" --heatmap "$OUT/gpu-grid-$mode.png" "$@" 2>&1 \
             | tee "$OUT/grid-$mode.log" | tr '\r' '\n' | grep -v '^\['
         ;;
+    tiles)   # extra arguments go to the CLI; at most 9 minutes (the phases' timeouts)
+        info | tee "$OUT/info.txt"
+        for tile in 4 2,16; do   # tiled plans against the CPU (the persistent tests)
+            FUSEDRNN_GPU_TILE=$tile pytest_gpu "parity-tile-$tile.log" 120 \
+                tests/gpu/test_parity.py -k persistent
+        done
+        for tile in 1,1 2 4 4,8; do   # 1,1: the plan's default, the first form
+            echo "== FUSEDRNN_GPU_TILE=$tile"
+            FUSEDRNN_GPU_TILE=$tile timeout -s KILL 75 $PY -m fusedrnn bench --device gpu \
+                --cases design-doc --filter "^(lstm|gru) T=300 N=20 I=800 H=800 (infer|train)" \
+                --peers fusedrnn,torch --repeats 3 --json "$OUT/gpu-tile-$tile.json" "$@" 2>&1 \
+                | tee "$OUT/tile-$tile.log" | tr '\r' '\n' | grep -E '^\| (lstm|gru)'
+        done
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench|grid MODE] [arguments]" >&2
+        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench|grid MODE|tiles] [arguments]" >&2
         exit 2
         ;;
 esac

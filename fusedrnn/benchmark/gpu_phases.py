@@ -69,7 +69,8 @@ def main():
     print(f"| mode | pass | {' | '.join(PHASES)} | sum | whole call / T |")
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        plan = persistent.persistent_plan(CELLS[mode].gates, H, N, 4, limits)
+        plan = persistent.persistent_plan(CELLS[mode].gates, H, N, 4, limits,
+                                          *persistent.tile_setting())   # the op's own plan
         if plan is None:
             print(f"| {mode} | - | does not fit on chip | | | | |")
             continue

@@ -8,11 +8,16 @@
 // of the recurrent product and the cell's pointwise math (cells.cuh, the same unit
 // functions as the per-step kernels), and the grid synchronises once (grid_barrier).
 //
-// Work split: block b owns units j = b*U .. min(H, b*U+U)-1; its tasks are the (u, n)
-// pairs, n fastest, strided over the block's threads; a task's thread does all G gates
-// of unit j for sample n, so the cell math needs no exchange. Lanes of a warp mostly
-// share u (W reads are shared-memory broadcasts) and differ in n (state reads hit
-// distinct banks: the staged state's row stride ldn is N made odd).
+// Work split: block b owns units j = b*U .. min(H, b*U+U)-1. In the forward each step has
+// two phases. The recurrent product: items (s, u, n-group), n-group fastest, strided over
+// the block's threads; an item sums k over its slice s of the S slices of 0..H-1 for all
+// G gates of unit u and `tile` consecutive samples, so each weight read from shared
+// memory feeds G*tile FMAs (a register tile), and its partial sums go to part_s. Then
+// the cell: tasks (u, n), n fastest; a task adds its S partial sums per gate and runs all
+// G gates of unit j for sample n, so the cell math needs no exchange. Lanes of a warp
+// mostly share u (W reads are shared-memory broadcasts) and differ in n (state reads hit
+// distinct banks: the staged state's row stride ldn is odd). tile = slices = 1 is one
+// dot product per task over all k, the kernel's first form.
 //
 // Every kernel body below is written as __host__ __device__ phases (stage weights,
 // stage state, tasks) separated by barriers: the __global__ kernels run them with
@@ -23,7 +28,7 @@
 // one per launch in flight), then the arguments below; T (the step count) is `steps`.
 //
 // persistent_forward<Cell, T>   (PERSISTENT_FORWARD_PARAMS; shared memory
-//                                (H*G*U + H*ldn) * sizeof(T))
+//                                (H*G*U + H*ldn + S*U*G*ldn) * sizeof(T))
 //   xproj  (T, N, ld_x)  in   W_x x_t; gate g of unit j at column x_col + g*H + j
 //   w_h    (G*H, H)      in   this direction's recurrent weights, row-major
 //   bx, bh (G*H)         in   biases
@@ -33,6 +38,8 @@
 //   y      (T, N, ld_y)  out  this direction's output at columns y_col .. y_col+H-1
 //   saved  (T, N, S*H)   out  training record (cells.cuh's rec) when has_record
 //   lengths (n_lengths)  in   per-sample lengths; n_lengths 0: every sample runs all T
+//   tile   1..kMaxTile   samples per item of the recurrent product; ldn >= ceil(N/tile)*tile
+//   slices S >= 1        slices of k per item (the last may be short or empty)
 //   No output overlaps an input.
 //
 // persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory
@@ -102,10 +109,10 @@ __host__ __device__ __forceinline__ T load_shared_state(const T* p) {
 #define FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T_)                                           \
   const T_ *xproj, idx_t ld_x, idx_t x_col, const T_ *w_h, const T_ *bx, const T_ *bh,    \
       T_ *hs, T_ *cs, T_ *y, idx_t ld_y, idx_t y_col, T_ *saved, idx_t has_record,       \
-      FUSEDRNN_PERSISTENT_COMMON_PARAMS
+      idx_t tile, idx_t slices, FUSEDRNN_PERSISTENT_COMMON_PARAMS
 #define FUSEDRNN_PERSISTENT_FORWARD_ARGS                                                 \
-  xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,            \
-      FUSEDRNN_PERSISTENT_COMMON_ARGS
+  xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record, tile,      \
+      slices, FUSEDRNN_PERSISTENT_COMMON_ARGS
 #define FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T_)                                          \
   const T_ *dy, idx_t ld_dy, idx_t y_col, const T_ *w_h, const T_ *hs, const T_ *cs,      \
       const T_ *saved, T_ *dgx, T_ *dgh, idx_t ld_dg, idx_t col, idx_t has_dgh,           \
@@ -143,6 +150,7 @@ struct PersistentForward {
   idx_t ld_y, y_col;
   T* saved;
   idx_t has_record;
+  idx_t tile, slices;   // the recurrent product's register tile and k-slices
   PersistentCommon c;
 };
 
@@ -162,8 +170,8 @@ struct PersistentBackward {
 #define FUSEDRNN_PERSISTENT_COMMON_INIT                                                   \
   { lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell }
 #define FUSEDRNN_PERSISTENT_FORWARD_INIT                                                  \
-  { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,           \
-    FUSEDRNN_PERSISTENT_COMMON_INIT }
+  { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record, tile,     \
+    slices, FUSEDRNN_PERSISTENT_COMMON_INIT }
 #define FUSEDRNN_PERSISTENT_BACKWARD_INIT                                                 \
   { dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0,         \
     dh_carry, dc_carry, exchange, chunk, FUSEDRNN_PERSISTENT_COMMON_INIT }
@@ -221,10 +229,57 @@ __host__ __device__ void stage_state(const PersistentForward<T>& p, T* h_s, idx_
                int(threads));
 }
 
+// The most samples an item of the forward's recurrent product covers (its accumulators:
+// G * kMaxTile registers). The plan's tile is 1..kMaxTile.
+constexpr int kMaxTile = 4;
+
+// part_s[((s*U + u)*G + g)*ldn + n] = sum over k in slice s of W_h[g*H + j, k] h_prev[n, k]
+// (j = block*U + u), for every slice s, unit u, gate g and sample n < N. Indices are
+// 32-bit, as in stage_matrix. Samples n0 + r >= N of the last group read padding of h_s
+// (ldn >= groups*tile) and are never stored.
 template <typename Cell, typename T>
-__host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w_s,
-                                       const T* h_s, idx_t block, idx_t tid, idx_t threads,
-                                       idx_t step) {
+__host__ __device__ void forward_product(const PersistentForward<T>& p, const T* w_s,
+                                         const T* h_s, T* part_s, idx_t tid, idx_t threads) {
+  constexpr int G = Cell::G;
+  const int N = int(p.c.N), H = int(p.c.H), U = int(p.c.units), ldn = int(p.c.ldn);
+  const int R = int(p.tile), S = int(p.slices);
+  const int groups = (N + R - 1) / R, span = (H + S - 1) / S;
+  for (int item = int(tid); item < S * U * groups; item += int(threads)) {
+    const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
+    const int n0 = ng * R, k0 = s * span, k1 = H < k0 + span ? H : k0 + span;
+    T acc[G][kMaxTile];
+FUSEDRNN_UNROLL
+    for (int g = 0; g < G; ++g)
+FUSEDRNN_UNROLL
+      for (int r = 0; r < kMaxTile; ++r) acc[g][r] = T(0);
+    for (int k = k0; k < k1; ++k) {
+      const T* w = w_s + (k * U + u) * G;
+      const T* h = h_s + k * ldn + n0;
+      T wk[G];
+FUSEDRNN_UNROLL
+      for (int g = 0; g < G; ++g) wk[g] = w[g];
+FUSEDRNN_UNROLL
+      for (int r = 0; r < kMaxTile; ++r) {
+        if (r < R) {
+          const T hk = h[r];
+FUSEDRNN_UNROLL
+          for (int g = 0; g < G; ++g) acc[g][r] += wk[g] * hk;
+        }
+      }
+    }
+FUSEDRNN_UNROLL
+    for (int r = 0; r < kMaxTile; ++r) {
+      if (r < R && n0 + r < N) {
+FUSEDRNN_UNROLL
+        for (int g = 0; g < G; ++g) part_s[((s * U + u) * G + g) * ldn + n0 + r] = acc[g][r];
+      }
+    }
+  }
+}
+
+template <typename Cell, typename T>
+__host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* part_s,
+                                       idx_t block, idx_t tid, idx_t threads, idx_t step) {
   const int G = Cell::G, S = Cell::S;
   const idx_t N = p.c.N, H = p.c.H, U = p.c.units, ldn = p.c.ldn;
   const idx_t t = p.c.forward_t(step);
@@ -251,14 +306,11 @@ __host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w
       r[g] = p.bh[g * H + j];
     }
     const T h_old = h_prev[nj], c_old = p.c.has_cell ? c_prev[nj] : T(0);
-    T acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = T(0);
-    for (idx_t k = 0; k < H; ++k) {
-      const T hk = h_s[k * ldn + n];
-      const T* w = w_s + (k * U + u) * G;
-      for (int g = 0; g < G; ++g) acc[g] += w[g] * hk;
+    for (int g = 0; g < G; ++g) {   // the slices' partial sums, in slice order
+      T acc = part_s[(u * G + g) * ldn + n];
+      for (idx_t s = 1; s < p.slices; ++s) acc += part_s[((s * U + u) * G + g) * ldn + n];
+      r[g] += acc;
     }
-    for (int g = 0; g < G; ++g) r[g] += acc[g];
     Cell::unit_forward(x, r, h_old, c_old, info, h, c, rec);
     h_next[nj] = h;
     p.y[row * p.ld_y + p.y_col + j] = h;
@@ -399,13 +451,16 @@ __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* ba
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* h_s = w_s + H * Cell::G * units;
+  T* part_s = h_s + H * ldn;
   forward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
   for (idx_t step = 0; step < steps; ++step) {
     FUSEDRNN_PHASE_START(since);
     stage_state(p, h_s, step, threadIdx.x, blockDim.x);
     __syncthreads();
     FUSEDRNN_PHASE_MARK(0, since);
-    forward_tasks<Cell, T>(p, w_s, h_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    forward_product<Cell, T>(p, w_s, h_s, part_s, threadIdx.x, blockDim.x);
+    __syncthreads();   // every item's partial sums are in part_s
+    forward_tasks<Cell, T>(p, part_s, blockIdx.x, threadIdx.x, blockDim.x, step);
     FUSEDRNN_PHASE_MARK(1, since);
     grid_barrier(barrier, arrivals);   // every block's h_t is written before anyone stages it
     FUSEDRNN_PHASE_MARK(2, since);

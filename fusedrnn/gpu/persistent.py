@@ -6,11 +6,17 @@ shared_mem)` callable, a cooperative CuPy RawKernel on a GPU and a host build of
 same source in tests/gpu.
 
 Selection rule (persistent_plan): a layer runs persistent when one block per SM holds
-its slice of W_h and the staged state in shared memory (forward: (H*G*U + H*ldn) values,
-backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn, U =
-ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else the
-per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
+its slice of W_h and the staged state in shared memory (forward: H*G*U + H*ldn + S*U*G*ldn
+values, backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn,
+U = ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else
+the per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
 turns the persistent kernels off.
+
+The forward's recurrent product (persistent.cuh) takes a register tile of `tile` samples
+per item and splits k into `slices`. The plan keeps tile = slices = 1, the form measured
+in bench/results/gpu.md, until the tiled product is measured on a GPU:
+FUSEDRNN_GPU_TILE="R" (slices chosen to fill the block, tile_slices) or "R,S" sets both
+for that measurement (bench/gpu_session.sh tiles).
 Why: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
 barrier per step instead of a GEMM and a kernel launch; on an H100 it beat the per-step
 path wherever the plan fit, the one-step decoder (nothing to keep between steps) level.
@@ -27,8 +33,8 @@ import numpy as np
 from ..config import CELLS
 from .build import KernelFamily
 
-__all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "DeviceLimits", "PersistentPlan",
-           "persistent_plan", "persistent_enabled", "persistent_forward_args",
+__all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "MAX_TILE", "DeviceLimits", "PersistentPlan",
+           "persistent_plan", "persistent_enabled", "tile_setting", "tile_slices", "persistent_forward_args",
            "persistent_backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
 # Not built with CuPy's enable_cooperative_groups, which adds relocatable code and links
@@ -38,7 +44,9 @@ PERSISTENT_KERNELS = KernelFamily("persistent.cuh", "persistent_forward", "persi
 MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
 MIN_THREADS = 256
 MAX_CHUNK = 512
+MAX_TILE = 4           # persistent.cuh's kMaxTile
 ENV = "FUSEDRNN_GPU_PERSISTENT"
+TILE_ENV = "FUSEDRNN_GPU_TILE"
 
 
 @dataclass(frozen=True)
@@ -57,18 +65,37 @@ class PersistentPlan:
     blocks: int          # grid size: at most one block per SM
     units: int           # hidden units per block
     threads: int         # per block, a multiple of 32
-    ldn: int             # staged row stride: N made odd (no shared-memory bank conflicts)
+    ldn: int             # staged row stride: N (padded to whole tiles) made odd (no
+                         # shared-memory bank conflicts)
     chunk: int           # backward: rows of the gate-gradient exchange staged at a time
     forward_smem: int    # bytes of dynamic shared memory per block
     backward_smem: int
+    tile: int = 1        # forward: samples per item of the recurrent product
+    slices: int = 1      # forward: slices of k per item
 
 
-def persistent_plan(gates, hidden, batch, itemsize, limits):
-    """The launch shape for one layer, or None where it does not fit on chip."""
+def tile_slices(units, batch, hidden, tile):
+    """Slices of k that fill a block of MAX_THREADS with items of `tile` samples (at
+    least 1, at most one k per 8)."""
+    items = units * -(-batch // tile)
+    return max(1, min(max(1, hidden // 8), MAX_THREADS // items))
+
+
+def persistent_plan(gates, hidden, batch, itemsize, limits, tile=1, slices=1):
+    """The launch shape for one layer, or None where it does not fit on chip. `tile` and
+    `slices` shape the forward's recurrent product (module docstring); slices=None
+    picks tile_slices."""
+    if not (isinstance(tile, int) and 1 <= tile <= MAX_TILE):
+        raise ValueError(f"persistent_plan: tile must be an int in 1..{MAX_TILE}, got {tile!r}")
     units = -(-hidden // limits.sm_count)
     blocks = -(-hidden // units)
-    ldn = batch | 1
-    forward_smem = (hidden * gates * units + hidden * ldn) * itemsize
+    if slices is None:
+        slices = tile_slices(units, batch, hidden, tile)
+    if not (isinstance(slices, int) and slices >= 1):
+        raise ValueError(f"persistent_plan: slices must be an int >= 1, got {slices!r}")
+    ldn = (-(-batch // tile) * tile) | 1
+    forward_smem = (hidden * gates * units + hidden * ldn + slices * units * gates * ldn) * \
+        itemsize
     # The backward stages up to 512 exchange rows at a time (a chunk of ~40 KB at N=20
     # float32), fewer where the W_h columns leave less room; at least 32.
     fixed = (gates * hidden * units + units * batch) * itemsize
@@ -78,8 +105,28 @@ def persistent_plan(gates, hidden, batch, itemsize, limits):
     backward_smem = fixed + chunk * ldn * itemsize
     # At least 256 threads even where there are fewer tasks: staging (persistent.cuh)
     # needs that many loads in flight.
-    threads = min(MAX_THREADS, max(MIN_THREADS, -(-units * batch // 32) * 32))
-    return PersistentPlan(blocks, units, threads, ldn, chunk, forward_smem, backward_smem)
+    work = max(units * batch, slices * units * -(-batch // tile))
+    threads = min(MAX_THREADS, max(MIN_THREADS, -(-work // 32) * 32))
+    return PersistentPlan(blocks, units, threads, ldn, chunk, forward_smem, backward_smem,
+                          tile, slices)
+
+
+def tile_setting(environ=os.environ):
+    """(tile, slices) for persistent_plan from FUSEDRNN_GPU_TILE: unset (1, 1); "R" (R,
+    None: slices to fill the block); "R,S". Anything else is a ValueError naming it."""
+    text = environ.get(TILE_ENV, "").strip()
+    if not text:
+        return 1, 1
+    parts = text.split(",")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if len(parts) not in (1, 2) or len(values) != len(parts) or \
+            not 1 <= values[0] <= MAX_TILE or (len(values) == 2 and values[1] < 1):
+        raise ValueError(f"{TILE_ENV}: expected 'R' or 'R,S' with R in 1..{MAX_TILE} and "
+                         f"S >= 1, got {text!r}")
+    return values[0], values[1] if len(values) == 2 else None
 
 
 def persistent_enabled():
@@ -102,7 +149,7 @@ def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved
     has_cell, record = cs.shape[3] != 0, saved.shape[0] != 0
     return (xproj, i(xproj.shape[2]), i(d * gates * H), w_h, bx, bh, hs[d],
             cs[d] if has_cell else cs, y, i(y.shape[2]), i(d * H),
-            saved[d] if record else saved, i(record),
+            saved[d] if record else saved, i(record), i(plan.tile), i(plan.slices),
             *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
 
 
@@ -184,7 +231,7 @@ def cupy_persistent_layer(cupy, config, dtype, batch):
         return None
     limits = DeviceLimits.of_current_cupy_device(cupy)
     plan = persistent_plan(config.cell.gates, config.state_size, batch,
-                           np.dtype(dtype).itemsize, limits)
+                           np.dtype(dtype).itemsize, limits, *tile_setting())
     if plan is None:
         return None
     try:

@@ -62,14 +62,16 @@ class HostCudaBackend:
     does by default); a fusedrnn.gpu.persistent.DeviceLimits runs layers that fit through
     the persistent kernels, planned for that device; `threads` and `chunk` override the
     plan's threads per block (fewer threads than tasks exercises the kernels' striding)
-    and the backward's staged rows (several chunks, a partial last one)."""
+    and the backward's staged rows (several chunks, a partial last one); `tile` and
+    `slices` go to persistent_plan (the forward's register tile and k-slices)."""
     name = "cuda-host-emulation"
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
     blas_scope = staticmethod(CPU.blas_scope)
 
-    def __init__(self, lib, persistent=None, threads=None, chunk=None):
+    def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1):
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
+        self.tile, self.slices = tile, slices
         self.launches = []
 
     def matmul(self, a, b, out, transpose_a=False):
@@ -80,7 +82,8 @@ class HostCudaBackend:
         if self.limits is None or config.projection_size:
             return None
         plan = persistent.persistent_plan(config.cell.gates, config.state_size, batch,
-                                          np.dtype(dtype).itemsize, self.limits)
+                                          np.dtype(dtype).itemsize, self.limits, self.tile,
+                                          self.slices)
         if plan is None:
             return None
         if self.threads:

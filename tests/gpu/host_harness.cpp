@@ -29,6 +29,7 @@ FUSEDRNN_HOST_CELLS(CELL_ENTRIES)
 // barriers are loop boundaries: every block's weights are staged, then per step each
 // block stages its state (all threads) before any of its tasks run, and every block
 // finishes a step before any block starts the next.
+#include <limits>
 #include <vector>
 
 #include "persistent.cuh"
@@ -37,7 +38,11 @@ template <typename Cell, typename T>
 void host_persistent_forward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
   const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
   std::vector<std::vector<T>> w_s(blocks, std::vector<T>(H * Cell::G * units));
-  std::vector<std::vector<T>> h_s(blocks, std::vector<T>(H * ldn));
+  // Padding columns of h_s (n >= N) hold NaN: the product may read them but must never
+  // let them reach a result.
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  std::vector<std::vector<T>> h_s(blocks, std::vector<T>(H * ldn, nan));
+  std::vector<T> part_s(slices * units * Cell::G * ldn, nan);   // reused block after block
   for (idx_t b = 0; b < blocks; ++b)
     for (idx_t tid = 0; tid < threads; ++tid)
       forward_stage_weights<Cell, T>(p, w_s[b].data(), b, tid, threads);
@@ -45,7 +50,9 @@ void host_persistent_forward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_FO
     for (idx_t b = 0; b < blocks; ++b) {
       for (idx_t tid = 0; tid < threads; ++tid) stage_state(p, h_s[b].data(), step, tid, threads);
       for (idx_t tid = 0; tid < threads; ++tid)
-        forward_tasks<Cell, T>(p, w_s[b].data(), h_s[b].data(), b, tid, threads, step);
+        forward_product<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), tid, threads);
+      for (idx_t tid = 0; tid < threads; ++tid)
+        forward_tasks<Cell, T>(p, part_s.data(), b, tid, threads, step);
     }
 }
 

@@ -226,9 +226,10 @@ def test_persistent_features_gpu_equals_cpu(persistent_selected, mode, names):
 
 def _boundary_sizes(gates, itemsize, batch):
     """The largest H the rule runs persistent on this GPU, and the next one up."""
-    from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
+    from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan, tile_setting
     limits = DeviceLimits.of_current_cupy_device(cupy)
-    fits = [h for h in range(16, 4096, 16) if persistent_plan(gates, h, batch, itemsize, limits)]
+    fits = [h for h in range(16, 4096, 16)
+            if persistent_plan(gates, h, batch, itemsize, limits, *tile_setting())]
     return max(fits), max(fits) + 16
 
 

@@ -27,8 +27,9 @@ def harness(tmp_path_factory):
 
 
 def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, threads=None,
-           chunk=None):
-    backend = HostCudaBackend(harness, persistent=limits, threads=threads, chunk=chunk)
+           chunk=None, tile=1, slices=1):
+    backend = HostCudaBackend(harness, persistent=limits, threads=threads, chunk=chunk,
+                              tile=tile, slices=slices)
     got = run_training(backend, case, kw, heads, dtype, opts)
     want = run_training(CPU, case, kw, heads, dtype, opts)
     # Every layer and direction went through the persistent kernels: forward twice
@@ -62,6 +63,61 @@ def test_persistent_any_split_of_units_threads_and_chunks(harness, mode, split):
     _check(harness, case, kw, heads, np.float64, limits=limits, threads=threads, chunk=chunk)
 
 
+# The forward's recurrent product with a register tile of samples and k split in slices
+# (persistent.cuh, forward_product): N=5 leaves a partial last group for tiles 2..4 (its
+# padding samples read NaN-poisoned columns of h_s in the harness); H=9 leaves short and
+# empty slices (9 k over 4 slices: 3+3+3+0; over 12: nine of one k, three empty).
+TILES = [(2, 1), (4, 1), (3, 2), (4, 4), (1, 12), (4, None)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("tile, slices", TILES)
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_tiled_product_equals_cpu_backend(harness, mode, tile, slices, dtype):
+    case, kw, heads = make_case(mode, T=5, N=5, I=4, H=9, L=2, D=2, dtype=dtype, seed=tile)
+    _check(harness, case, kw, heads, dtype, tile=tile, slices=slices)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_tiled_product_with_lengths_clip_and_few_threads(harness, mode):
+    case, kw, heads = make_case(mode, T=7, N=5, I=4, H=9, L=2, D=2, seed=9)
+    options = CallOptions(lengths=LENGTHS.lengths, **(CLIPPED if mode == "lstm" else {}))
+    _check(harness, case, kw, heads, np.float64, options, limits=FOUR_SMS, threads=3,
+           tile=4, slices=3)
+
+
+def test_tiled_plan_pads_the_state_rows_to_whole_tiles_and_fills_the_block():
+    plan = persistent_plan(4, 800, 20, 4, H100, tile=4, slices=None)
+    groups = 5                                   # 20 samples in tiles of 4
+    assert plan.ldn == 21 and plan.tile == 4
+    assert plan.slices == persistent.tile_slices(7, 20, 800, 4) == 512 // (7 * groups) == 14
+    assert plan.threads == 512 >= plan.slices * 7 * groups
+    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21 + 14 * 7 * 4 * 21) * 4
+    assert persistent_plan(4, 800, 22, 4, H100, tile=4).ldn == 25   # 22 -> 24 -> odd
+    assert persistent_plan(1, 64, 3, 4, H100, tile=2, slices=None).slices == 8   # H // 8
+    # Where the partial sums do not fit beside W_h, the plan refuses the layer.
+    assert persistent_plan(4, 800, 20, 4, H100, tile=1, slices=64) is None
+
+
+@pytest.mark.parametrize("tile, slices", [(0, 1), (5, 1), (2.0, 1), (1, 0), (1, 1.5)])
+def test_tiled_plan_refuses_a_bad_tile_or_slice_count(tile, slices):
+    with pytest.raises(ValueError, match="tile must be|slices must be"):
+        persistent_plan(4, 800, 20, 4, H100, tile=tile, slices=slices)
+
+
+@pytest.mark.parametrize("text, want", [(None, (1, 1)), ("", (1, 1)), ("4", (4, None)),
+                                        (" 2,7 ", (2, 7)), ("1,1", (1, 1))])
+def test_tile_setting_reads_the_environment(text, want):
+    env = {} if text is None else {persistent.TILE_ENV: text}
+    assert persistent.tile_setting(env) == want
+
+
+@pytest.mark.parametrize("text", ["0", "5", "x", "2,0", "2,3,4", "2,", ",3", "1.5"])
+def test_tile_setting_names_the_variable_for_a_bad_value(text):
+    with pytest.raises(ValueError, match=f"{persistent.TILE_ENV}: expected .* got '{text}'"):
+        persistent.tile_setting({persistent.TILE_ENV: text})
+
+
 @pytest.mark.parametrize("D", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 def test_persistent_with_lengths(harness, mode, D):
@@ -80,7 +136,8 @@ def test_persistent_lstm_clip(harness, options):
 def test_plan_for_the_design_doc_lstm_on_an_h100():
     plan = persistent_plan(4, 800, 20, 4, H100)
     assert (plan.units, plan.blocks, plan.ldn, plan.threads, plan.chunk) == (7, 115, 21, 256, 512)
-    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21) * 4 == 156800
+    assert (plan.tile, plan.slices) == (1, 1)
+    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21 + 7 * 4 * 21) * 4 == 159152
     assert plan.backward_smem == (4 * 800 * 7 + 7 * 20 + 512 * 21) * 4
 
 
