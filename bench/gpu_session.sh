@@ -9,8 +9,8 @@
 #   bash bench/gpu_session.sh grid MODE    # the GPU size grid of one mode (4 x 6 x 6 sizes,
 #                                          # inference and training; one call per mode keeps
 #                                          # each under the device's 10 minutes)
-#   bash bench/gpu_session.sh tiles        # the persistent forward's register tile and
-#                                          # k-slices (FUSEDRNN_GPU_TILE): parity of the
+#   bash bench/gpu_session.sh tiles        # the persistent products' register tile and
+#                                          # slices (FUSEDRNN_GPU_TILE): parity of the
 #                                          # tiled plans, then the design-doc cases under
 #                                          # each, cuDNN beside; what the plan's rule awaits
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden

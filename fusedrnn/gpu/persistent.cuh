@@ -16,8 +16,9 @@
 // the cell: tasks (u, n), n fastest; a task adds its S partial sums per gate and runs all
 // G gates of unit j for sample n, so the cell math needs no exchange. Lanes of a warp
 // mostly share u (W reads are shared-memory broadcasts) and differ in n (state reads hit
-// distinct banks: the staged state's row stride ldn is odd). tile = slices = 1 is one
-// dot product per task over all k, the kernel's first form.
+// distinct banks: the staged state's row stride ldn is odd). With tile = slices = 1 there
+// is no product phase: each task does its dot product over all k itself, the kernel's
+// first form (product_phase).
 //
 // Every kernel body below is written as __host__ __device__ phases (stage weights,
 // stage state, tasks) separated by barriers: the __global__ kernels run them with
@@ -26,9 +27,15 @@
 //
 // Both kernels take first `barrier`, a zeroed unsigned 64-bit counter (device memory,
 // one per launch in flight), then the arguments below; T (the step count) is `steps`.
+// Of the arguments both share (FUSEDRNN_PERSISTENT_COMMON_PARAMS):
+//   tile   1..kMaxTile   samples per item of the recurrent products; ldn (the staged
+//                        rows' stride) >= ceil(N/tile)*tile
+//   slices S >= 1        slices per item: of k in the forward, of each staged chunk of
+//                        gate rows in the backward (the last may be short or empty)
 //
 // persistent_forward<Cell, T>   (PERSISTENT_FORWARD_PARAMS; shared memory
-//                                (H*G*U + H*ldn + S*U*G*ldn) * sizeof(T))
+//                                (H*G*U + H*ldn + S*U*G*ldn) * sizeof(T), without the
+//                                last term where tile = slices = 1)
 //   xproj  (T, N, ld_x)  in   W_x x_t; gate g of unit j at column x_col + g*H + j
 //   w_h    (G*H, H)      in   this direction's recurrent weights, row-major
 //   bx, bh (G*H)         in   biases
@@ -38,12 +45,10 @@
 //   y      (T, N, ld_y)  out  this direction's output at columns y_col .. y_col+H-1
 //   saved  (T, N, S*H)   out  training record (cells.cuh's rec) when has_record
 //   lengths (n_lengths)  in   per-sample lengths; n_lengths 0: every sample runs all T
-//   tile   1..kMaxTile   samples per item of the recurrent product; ldn >= ceil(N/tile)*tile
-//   slices S >= 1        slices of k per item (the last may be short or empty)
 //   No output overlaps an input.
 //
 // persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory
-//                                (G*H*U + chunk*ldn + U*N) * sizeof(T))
+//                                (G*H*U + chunk*ldn + S*U*ldn) * sizeof(T))
 //   dy     (T, N, ld_dy) in   output gradient; this direction at columns y_col..
 //   w_h, hs, cs, saved    in   as the training forward left them
 //   dgx    (T, N, ld_dg) out  d(input-side pre-activation) at columns col + g*H + j
@@ -103,16 +108,18 @@ __host__ __device__ __forceinline__ T load_shared_state(const T* p) {
 
 #define FUSEDRNN_PERSISTENT_COMMON_PARAMS                                                \
   const idx_t *lengths, idx_t n_lengths, double clip_lo, double clip_hi, idx_t clip_flags, \
-      idx_t steps, idx_t N, idx_t H, idx_t units, idx_t ldn, idx_t reverse, idx_t has_cell
+      idx_t steps, idx_t N, idx_t H, idx_t units, idx_t ldn, idx_t reverse, idx_t has_cell, \
+      idx_t tile, idx_t slices
 #define FUSEDRNN_PERSISTENT_COMMON_ARGS                                                  \
-  lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell
+  lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell, \
+      tile, slices
 #define FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T_)                                           \
   const T_ *xproj, idx_t ld_x, idx_t x_col, const T_ *w_h, const T_ *bx, const T_ *bh,    \
       T_ *hs, T_ *cs, T_ *y, idx_t ld_y, idx_t y_col, T_ *saved, idx_t has_record,       \
-      idx_t tile, idx_t slices, FUSEDRNN_PERSISTENT_COMMON_PARAMS
+      FUSEDRNN_PERSISTENT_COMMON_PARAMS
 #define FUSEDRNN_PERSISTENT_FORWARD_ARGS                                                 \
-  xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record, tile,      \
-      slices, FUSEDRNN_PERSISTENT_COMMON_ARGS
+  xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,            \
+      FUSEDRNN_PERSISTENT_COMMON_ARGS
 #define FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T_)                                          \
   const T_ *dy, idx_t ld_dy, idx_t y_col, const T_ *w_h, const T_ *hs, const T_ *cs,      \
       const T_ *saved, T_ *dgx, T_ *dgh, idx_t ld_dg, idx_t col, idx_t has_dgh,           \
@@ -129,6 +136,8 @@ struct PersistentCommon {
   idx_t n_lengths;
   double clip_lo, clip_hi;
   idx_t clip_flags, steps, N, H, units, ldn, reverse, has_cell;
+  idx_t tile, slices;   // the recurrent products' register tile and slices (of k, or of
+                        // the backward's gate rows)
   // Forward order step -> t (the backward walks the forward order back).
   __host__ __device__ __forceinline__ idx_t forward_t(idx_t step) const {
     return reverse ? steps - 1 - step : step;
@@ -150,7 +159,6 @@ struct PersistentForward {
   idx_t ld_y, y_col;
   T* saved;
   idx_t has_record;
-  idx_t tile, slices;   // the recurrent product's register tile and k-slices
   PersistentCommon c;
 };
 
@@ -168,10 +176,11 @@ struct PersistentBackward {
 };
 
 #define FUSEDRNN_PERSISTENT_COMMON_INIT                                                   \
-  { lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell }
+  { lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell, \
+    tile, slices }
 #define FUSEDRNN_PERSISTENT_FORWARD_INIT                                                  \
-  { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record, tile,     \
-    slices, FUSEDRNN_PERSISTENT_COMMON_INIT }
+  { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,           \
+    FUSEDRNN_PERSISTENT_COMMON_INIT }
 #define FUSEDRNN_PERSISTENT_BACKWARD_INIT                                                 \
   { dy, ld_dy, y_col, w_h, hs, cs, saved, dgx, dgh, ld_dg, col, has_dgh, dh_rec0,         \
     dh_carry, dc_carry, exchange, chunk, FUSEDRNN_PERSISTENT_COMMON_INIT }
@@ -242,7 +251,7 @@ __host__ __device__ void forward_product(const PersistentForward<T>& p, const T*
                                          const T* h_s, T* part_s, idx_t tid, idx_t threads) {
   constexpr int G = Cell::G;
   const int N = int(p.c.N), H = int(p.c.H), U = int(p.c.units), ldn = int(p.c.ldn);
-  const int R = int(p.tile), S = int(p.slices);
+  const int R = int(p.c.tile), S = int(p.c.slices);
   const int groups = (N + R - 1) / R, span = (H + S - 1) / S;
   for (int item = int(tid); item < S * U * groups; item += int(threads)) {
     const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
@@ -277,9 +286,18 @@ FUSEDRNN_UNROLL
   }
 }
 
+// Whether the forward runs forward_product as a phase of its own. With tile = slices = 1
+// each task does its one dot product inline instead (the kernel's first form, measured
+// in bench/results/gpu.md), where the loads of x and the biases overlap it.
+template <typename T>
+__host__ __device__ __forceinline__ bool product_phase(const PersistentForward<T>& p) {
+  return p.c.tile > 1 || p.c.slices > 1;
+}
+
 template <typename Cell, typename T>
-__host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* part_s,
-                                       idx_t block, idx_t tid, idx_t threads, idx_t step) {
+__host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w_s,
+                                       const T* h_s, const T* part_s, idx_t block, idx_t tid,
+                                       idx_t threads, idx_t step) {
   const int G = Cell::G, S = Cell::S;
   const idx_t N = p.c.N, H = p.c.H, U = p.c.units, ldn = p.c.ldn;
   const idx_t t = p.c.forward_t(step);
@@ -306,10 +324,21 @@ __host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* p
       r[g] = p.bh[g * H + j];
     }
     const T h_old = h_prev[nj], c_old = p.c.has_cell ? c_prev[nj] : T(0);
-    for (int g = 0; g < G; ++g) {   // the slices' partial sums, in slice order
-      T acc = part_s[(u * G + g) * ldn + n];
-      for (idx_t s = 1; s < p.slices; ++s) acc += part_s[((s * U + u) * G + g) * ldn + n];
-      r[g] += acc;
+    if (product_phase(p)) {
+      for (int g = 0; g < G; ++g) {   // the slices' partial sums, in slice order
+        T acc = part_s[(u * G + g) * ldn + n];
+        for (idx_t s = 1; s < p.c.slices; ++s) acc += part_s[((s * U + u) * G + g) * ldn + n];
+        r[g] += acc;
+      }
+    } else {
+      T acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = T(0);
+      for (idx_t k = 0; k < H; ++k) {
+        const T hk = h_s[k * ldn + n];
+        const T* w = w_s + (k * U + u) * G;
+        for (int g = 0; g < G; ++g) acc[g] += w[g] * hk;
+      }
+      for (int g = 0; g < G; ++g) r[g] += acc[g];
     }
     Cell::unit_forward(x, r, h_old, c_old, info, h, c, rec);
     h_next[nj] = h;
@@ -336,12 +365,16 @@ __host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, 
 // The recurrent product dh_rec[n, j] = sum_r dg_later[n, r] W_h[r, j] in chunks: every
 // block needs all of dg_later (G*H x N), so each chunk of rows is read from L2 once per
 // block into shared memory (coalesced) and then shared by the block's U units, instead
-// of each task re-reading it. dh_s[task] holds the sums (each task's own slot).
+// of each task re-reading it. Within a chunk an item (s, u, n-group) sums slice s of the
+// chunk's rows for `tile` samples of unit u (a register tile, as in the forward) into
+// its own slots part_s[(s*U + u)*ldn + n], which gather the step's chunks; the cell
+// phase adds a unit's S slots in slice order.
 
 template <typename T>
-__host__ __device__ void backward_clear(const PersistentBackward<T>& p, T* dh_s, idx_t tid,
+__host__ __device__ void backward_clear(const PersistentBackward<T>& p, T* part_s, idx_t tid,
                                         idx_t threads) {
-  for (idx_t task = tid; task < p.c.units * p.c.N; task += threads) dh_s[task] = T(0);
+  const idx_t count = p.c.slices * p.c.units * p.c.ldn;
+  for (idx_t i = tid; i < count; i += threads) part_s[i] = T(0);
 }
 
 template <typename Cell, typename T>
@@ -357,25 +390,48 @@ __host__ __device__ void stage_exchange(const PersistentBackward<T>& p, T* x_s, 
 
 template <typename Cell, typename T>
 __host__ __device__ void backward_accumulate(const PersistentBackward<T>& p, const T* w_s,
-                                             const T* x_s, T* dh_s, idx_t block, idx_t tid,
+                                             const T* x_s, T* part_s, idx_t block, idx_t tid,
                                              idx_t threads, idx_t first) {
-  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, GH = Cell::G * H, ldn = p.c.ldn;
-  const idx_t rows = GH - first < p.chunk ? GH - first : p.chunk;
-  for (idx_t task = tid; task < U * N; task += threads) {
-    const idx_t u = task / N, n = task % N;
-    if (block * U + u >= H) continue;
-    T part[4] = {T(0), T(0), T(0), T(0)};   // independent chains, not one long one
-    idx_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      for (int q = 0; q < 4; ++q)
-        part[q] += x_s[(r + q) * ldn + n] * w_s[(first + r + q) * U + u];
-    for (; r < rows; ++r) part[0] += x_s[r * ldn + n] * w_s[(first + r) * U + u];
-    dh_s[task] += (part[0] + part[1]) + (part[2] + part[3]);
+  const int N = int(p.c.N), H = int(p.c.H), U = int(p.c.units), ldn = int(p.c.ldn);
+  const int GH = Cell::G * H, R = int(p.c.tile), S = int(p.c.slices);
+  const int rows = GH - int(first) < int(p.chunk) ? GH - int(first) : int(p.chunk);
+  const int groups = (N + R - 1) / R, span = (rows + S - 1) / S;
+  const T* w_rows = w_s + first * U;
+  for (int item = int(tid); item < S * U * groups; item += int(threads)) {
+    const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
+    if (int(block) * U + u >= H) continue;
+    const int n0 = ng * R, r0 = s * span, r1 = rows < r0 + span ? rows : r0 + span;
+    T part[4][kMaxTile];   // 4 independent chains per sample, not one long one
+FUSEDRNN_UNROLL
+    for (int q = 0; q < 4; ++q)
+FUSEDRNN_UNROLL
+      for (int i = 0; i < kMaxTile; ++i) part[q][i] = T(0);
+    int r = r0;
+    for (; r + 4 <= r1; r += 4)
+FUSEDRNN_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        const T w = w_rows[(r + q) * U + u];
+        const T* x = x_s + (r + q) * ldn + n0;
+FUSEDRNN_UNROLL
+        for (int i = 0; i < kMaxTile; ++i)
+          if (i < R) part[q][i] += x[i] * w;
+      }
+    for (; r < r1; ++r) {
+      const T w = w_rows[r * U + u];
+      const T* x = x_s + r * ldn + n0;
+FUSEDRNN_UNROLL
+      for (int i = 0; i < kMaxTile; ++i)
+        if (i < R) part[0][i] += x[i] * w;
+    }
+FUSEDRNN_UNROLL
+    for (int i = 0; i < kMaxTile; ++i)
+      if (i < R && n0 + i < N)
+        part_s[(s * U + u) * ldn + n0 + i] += (part[0][i] + part[1][i]) + (part[2][i] + part[3][i]);
   }
 }
 
 template <typename Cell, typename T>
-__host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* dh_s,
+__host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* part_s,
                                         idx_t block, idx_t tid, idx_t threads, idx_t step) {
   const int G = Cell::G, S = Cell::S;
   const idx_t N = p.c.N, H = p.c.H, U = p.c.units;
@@ -386,7 +442,9 @@ __host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T*
     const idx_t u = task / N, n = task % N, j = block * U + u;
     if (j >= H) continue;
     const idx_t nj = n * H + j, row = t * N + n;
-    const T dh_rec = step == 0 ? p.dh_rec0[nj] : dh_s[task];
+    T dh_rec = step == 0 ? p.dh_rec0[nj] : part_s[u * p.c.ldn + n];
+    if (step > 0)   // the slices' partial sums, in slice order
+      for (idx_t s = 1; s < p.c.slices; ++s) dh_rec += part_s[(s * U + u) * p.c.ldn + n];
     T* dgx = p.dgx + row * p.ld_dg + p.col + j;
     T* dgh = p.dgh + row * p.ld_dg + p.col + j;
     if (!info.active(n)) {   // no gate gradient; dh and dc pass on to the step before
@@ -458,9 +516,11 @@ __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* ba
     stage_state(p, h_s, step, threadIdx.x, blockDim.x);
     __syncthreads();
     FUSEDRNN_PHASE_MARK(0, since);
-    forward_product<Cell, T>(p, w_s, h_s, part_s, threadIdx.x, blockDim.x);
-    __syncthreads();   // every item's partial sums are in part_s
-    forward_tasks<Cell, T>(p, part_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    if (product_phase(p)) {   // the same for every thread: the barrier is reached by all
+      forward_product<Cell, T>(p, w_s, h_s, part_s, threadIdx.x, blockDim.x);
+      __syncthreads();   // every item's partial sums are in part_s
+    }
+    forward_tasks<Cell, T>(p, w_s, h_s, part_s, blockIdx.x, threadIdx.x, blockDim.x, step);
     FUSEDRNN_PHASE_MARK(1, since);
     grid_barrier(barrier, arrivals);   // every block's h_t is written before anyone stages it
     FUSEDRNN_PHASE_MARK(2, since);
@@ -474,23 +534,23 @@ __global__ void __launch_bounds__(512) persistent_backward(unsigned long long* b
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* x_s = w_s + Cell::G * H * units;
-  T* dh_s = x_s + chunk * ldn;
+  T* part_s = x_s + chunk * ldn;
   backward_stage_weights<Cell, T>(p, w_s, blockIdx.x, threadIdx.x, blockDim.x);
   __syncthreads();
   for (idx_t step = 0; step < steps; ++step) {
     FUSEDRNN_PHASE_START(since);
     if (step > 0) {
-      backward_clear(p, dh_s, threadIdx.x, blockDim.x);
+      backward_clear(p, part_s, threadIdx.x, blockDim.x);
       for (idx_t first = 0; first < Cell::G * H; first += chunk) {
         stage_exchange<Cell, T>(p, x_s, step, first, threadIdx.x, blockDim.x);
         __syncthreads();
-        backward_accumulate<Cell, T>(p, w_s, x_s, dh_s, blockIdx.x, threadIdx.x, blockDim.x,
+        backward_accumulate<Cell, T>(p, w_s, x_s, part_s, blockIdx.x, threadIdx.x, blockDim.x,
                                      first);
         __syncthreads();   // x_s is restaged next
       }
     }
     FUSEDRNN_PHASE_MARK(0, since);
-    backward_tasks<Cell, T>(p, dh_s, blockIdx.x, threadIdx.x, blockDim.x, step);
+    backward_tasks<Cell, T>(p, part_s, blockIdx.x, threadIdx.x, blockDim.x, step);
     FUSEDRNN_PHASE_MARK(1, since);
     grid_barrier(barrier, arrivals);   // every block's gate gradients are in `exchange`
     FUSEDRNN_PHASE_MARK(2, since);

@@ -6,18 +6,21 @@ shared_mem)` callable, a cooperative CuPy RawKernel on a GPU and a host build of
 same source in tests/gpu.
 
 Selection rule (persistent_plan): a layer runs persistent when one block per SM holds
-its slice of W_h and the staged state in shared memory (forward: H*G*U + H*ldn + S*U*G*ldn
-values, backward: G*H*U + U*N values plus at least 32 staged gate-gradient rows of ldn,
-U = ceil(H / SMs) units per block), so the grid is co-resident and can synchronise; else
-the per-step path (one cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0
-turns the persistent kernels off.
+its slice of W_h and the staged state in shared memory (forward: H*G*U + H*ldn values,
+plus S*U*G*ldn partial sums where tile or slices exceed 1; backward: G*H*U + S*U*ldn
+values plus at least 32 staged gate-gradient rows of ldn; U = ceil(H / SMs) units per
+block), so the grid is co-resident and can synchronise; else the per-step path (one
+cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0 turns the
+persistent kernels off.
 
-The forward's recurrent product (persistent.cuh) takes a register tile of `tile` samples
-per item and splits k into `slices`. The plan keeps tile = slices = 1, the form measured
-in bench/results/gpu.md, until the tiled product is measured on a GPU:
+Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
+and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
+in the backward). The plan keeps tile = slices = 1, the form measured in
+bench/results/gpu.md, until the tiled products are measured on a GPU:
 FUSEDRNN_GPU_TILE="R" (slices chosen to fill the block, tile_slices) or "R,S" sets both
 for that measurement (bench/gpu_session.sh tiles).
-Why: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
+
+Why persistent: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
 barrier per step instead of a GEMM and a kernel launch; on an H100 it beat the per-step
 path wherever the plan fit, the one-step decoder (nothing to keep between steps) level.
 The measurement: bench/results/gpu.md, "Persistent where it fits: the measurement".
@@ -94,11 +97,13 @@ def persistent_plan(gates, hidden, batch, itemsize, limits, tile=1, slices=1):
     if not (isinstance(slices, int) and slices >= 1):
         raise ValueError(f"persistent_plan: slices must be an int >= 1, got {slices!r}")
     ldn = (-(-batch // tile) * tile) | 1
-    forward_smem = (hidden * gates * units + hidden * ldn + slices * units * gates * ldn) * \
-        itemsize
+    # The forward's partial sums exist only where it runs a product phase (persistent.cuh,
+    # product_phase).
+    partials = slices * units * gates * ldn if (tile, slices) != (1, 1) else 0
+    forward_smem = (hidden * gates * units + hidden * ldn + partials) * itemsize
     # The backward stages up to 512 exchange rows at a time (a chunk of ~40 KB at N=20
     # float32), fewer where the W_h columns leave less room; at least 32.
-    fixed = (gates * hidden * units + units * batch) * itemsize
+    fixed = (gates * hidden * units + slices * units * ldn) * itemsize
     chunk = min(gates * hidden, MAX_CHUNK, (limits.smem_per_block - fixed) // (ldn * itemsize))
     if forward_smem > limits.smem_per_block or chunk < min(32, gates * hidden):
         return None
@@ -137,7 +142,8 @@ def persistent_enabled():
 def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d, has_cell):
     i = np.int64
     return (lengths, i(lengths.size), np.float64(clip_lo), np.float64(clip_hi), i(clip_flags),
-            i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell))
+            i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell),
+            i(plan.tile), i(plan.slices))
 
 
 def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths,
@@ -149,7 +155,7 @@ def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved
     has_cell, record = cs.shape[3] != 0, saved.shape[0] != 0
     return (xproj, i(xproj.shape[2]), i(d * gates * H), w_h, bx, bh, hs[d],
             cs[d] if has_cell else cs, y, i(y.shape[2]), i(d * H),
-            saved[d] if record else saved, i(record), i(plan.tile), i(plan.slices),
+            saved[d] if record else saved, i(record),
             *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
 
 

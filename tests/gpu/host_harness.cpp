@@ -49,10 +49,12 @@ void host_persistent_forward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_FO
   for (idx_t step = 0; step < steps; ++step)
     for (idx_t b = 0; b < blocks; ++b) {
       for (idx_t tid = 0; tid < threads; ++tid) stage_state(p, h_s[b].data(), step, tid, threads);
+      if (product_phase(p))
+        for (idx_t tid = 0; tid < threads; ++tid)
+          forward_product<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), tid, threads);
       for (idx_t tid = 0; tid < threads; ++tid)
-        forward_product<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), tid, threads);
-      for (idx_t tid = 0; tid < threads; ++tid)
-        forward_tasks<Cell, T>(p, part_s.data(), b, tid, threads, step);
+        forward_tasks<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), b, tid, threads,
+                               step);
     }
 }
 
@@ -60,24 +62,26 @@ template <typename Cell, typename T>
 void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
   std::vector<std::vector<T>> w_s(blocks, std::vector<T>(Cell::G * H * units));
-  std::vector<T> x_s(chunk * ldn), dh_s(units * N);   // reused block after block
+  // Reused block after block; padding columns of x_s (n >= N) hold NaN, as in the forward.
+  std::vector<T> x_s(chunk * ldn, std::numeric_limits<T>::quiet_NaN());
+  std::vector<T> part_s(slices * units * ldn);
   for (idx_t b = 0; b < blocks; ++b)
     for (idx_t tid = 0; tid < threads; ++tid)
       backward_stage_weights<Cell, T>(p, w_s[b].data(), b, tid, threads);
   for (idx_t step = 0; step < steps; ++step)
     for (idx_t b = 0; b < blocks; ++b) {
       if (step > 0) {
-        for (idx_t tid = 0; tid < threads; ++tid) backward_clear(p, dh_s.data(), tid, threads);
+        for (idx_t tid = 0; tid < threads; ++tid) backward_clear(p, part_s.data(), tid, threads);
         for (idx_t first = 0; first < Cell::G * H; first += chunk) {
           for (idx_t tid = 0; tid < threads; ++tid)
             stage_exchange<Cell, T>(p, x_s.data(), step, first, tid, threads);
           for (idx_t tid = 0; tid < threads; ++tid)
-            backward_accumulate<Cell, T>(p, w_s[b].data(), x_s.data(), dh_s.data(), b, tid,
+            backward_accumulate<Cell, T>(p, w_s[b].data(), x_s.data(), part_s.data(), b, tid,
                                          threads, first);
         }
       }
       for (idx_t tid = 0; tid < threads; ++tid)
-        backward_tasks<Cell, T>(p, dh_s.data(), b, tid, threads, step);
+        backward_tasks<Cell, T>(p, part_s.data(), b, tid, threads, step);
     }
 }
 

@@ -63,10 +63,11 @@ def test_persistent_any_split_of_units_threads_and_chunks(harness, mode, split):
     _check(harness, case, kw, heads, np.float64, limits=limits, threads=threads, chunk=chunk)
 
 
-# The forward's recurrent product with a register tile of samples and k split in slices
-# (persistent.cuh, forward_product): N=5 leaves a partial last group for tiles 2..4 (its
-# padding samples read NaN-poisoned columns of h_s in the harness); H=9 leaves short and
-# empty slices (9 k over 4 slices: 3+3+3+0; over 12: nine of one k, three empty).
+# Both recurrent products with a register tile of samples and their reductions split in
+# slices (persistent.cuh: forward_product over k, backward_accumulate over each chunk of
+# gate rows): N=5 leaves a partial last group for tiles 2..4 (its padding samples read
+# NaN-poisoned columns of h_s and x_s in the harness); H=9 leaves short and empty slices
+# (9 k over 4 slices: 3+3+3+0; over 12: nine of one k, three empty).
 TILES = [(2, 1), (4, 1), (3, 2), (4, 4), (1, 12), (4, None)]
 
 
@@ -76,6 +77,16 @@ TILES = [(2, 1), (4, 1), (3, 2), (4, 4), (1, 12), (4, None)]
 def test_persistent_tiled_product_equals_cpu_backend(harness, mode, tile, slices, dtype):
     case, kw, heads = make_case(mode, T=5, N=5, I=4, H=9, L=2, D=2, dtype=dtype, seed=tile)
     _check(harness, case, kw, heads, dtype, tile=tile, slices=slices)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_persistent_tiled_backward_over_chunks(harness, mode, chunk):
+    """Slices of short chunks (chunk 1: every slice but the first empty) and a partial
+    last chunk, the partial sums gathered over the step's chunks."""
+    case, kw, heads = make_case(mode, T=4, N=5, I=3, H=9, L=1, D=2, seed=chunk)
+    _check(harness, case, kw, heads, np.float64, limits=FOUR_SMS, chunk=chunk, tile=2,
+           slices=3)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -93,6 +104,7 @@ def test_tiled_plan_pads_the_state_rows_to_whole_tiles_and_fills_the_block():
     assert plan.slices == persistent.tile_slices(7, 20, 800, 4) == 512 // (7 * groups) == 14
     assert plan.threads == 512 >= plan.slices * 7 * groups
     assert plan.forward_smem == (800 * 4 * 7 + 800 * 21 + 14 * 7 * 4 * 21) * 4
+    assert plan.backward_smem == (4 * 800 * 7 + 14 * 7 * 21 + plan.chunk * 21) * 4
     assert persistent_plan(4, 800, 22, 4, H100, tile=4).ldn == 25   # 22 -> 24 -> odd
     assert persistent_plan(1, 64, 3, 4, H100, tile=2, slices=None).slices == 8   # H // 8
     # Where the partial sums do not fit beside W_h, the plan refuses the layer.
@@ -137,8 +149,8 @@ def test_plan_for_the_design_doc_lstm_on_an_h100():
     plan = persistent_plan(4, 800, 20, 4, H100)
     assert (plan.units, plan.blocks, plan.ldn, plan.threads, plan.chunk) == (7, 115, 21, 256, 512)
     assert (plan.tile, plan.slices) == (1, 1)
-    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21 + 7 * 4 * 21) * 4 == 159152
-    assert plan.backward_smem == (4 * 800 * 7 + 7 * 20 + 512 * 21) * 4
+    assert plan.forward_smem == (800 * 4 * 7 + 800 * 21) * 4 == 156800   # no partial sums
+    assert plan.backward_smem == (4 * 800 * 7 + 7 * 21 + 512 * 21) * 4
 
 
 def test_plan_refuses_what_does_not_fit_on_chip():
