@@ -238,24 +238,32 @@ __host__ __device__ void stage_state(const PersistentForward<T>& p, T* h_s, idx_
                int(threads));
 }
 
-// The most samples an item of the forward's recurrent product covers (its accumulators:
-// G * kMaxTile registers). The plan's tile is 1..kMaxTile.
+// The most samples an item of a recurrent product covers (its accumulators: G * kMaxTile
+// registers in the forward). The kernels trust the plan: tile is 1..kMaxTile
+// (persistent_plan checks; a larger one would drop samples).
 constexpr int kMaxTile = 4;
 
+// An item's samples are n = ng + r*groups, r < tile: strided, not consecutive, so the
+// lanes of a warp (consecutive ng) read consecutive words of a staged row for each r, as
+// the untiled kernel does; consecutive samples per lane would be r-way bank conflicts
+// once a warp spans more than 32/tile groups (N = 128, tile 4: 4-way).
+
 // part_s[((s*U + u)*G + g)*ldn + n] = sum over k in slice s of W_h[g*H + j, k] h_prev[n, k]
-// (j = block*U + u), for every slice s, unit u, gate g and sample n < N. Indices are
-// 32-bit, as in stage_matrix. Samples n0 + r >= N of the last group read padding of h_s
+// (j = block*U + u < H), for every slice s, unit u, gate g and sample n < N. Indices are
+// 32-bit, as in stage_matrix. Samples n >= N of the last tile lane read padding of h_s
 // (ldn >= groups*tile) and are never stored.
 template <typename Cell, typename T>
 __host__ __device__ void forward_product(const PersistentForward<T>& p, const T* w_s,
-                                         const T* h_s, T* part_s, idx_t tid, idx_t threads) {
+                                         const T* h_s, T* part_s, idx_t block, idx_t tid,
+                                         idx_t threads) {
   constexpr int G = Cell::G;
   const int N = int(p.c.N), H = int(p.c.H), U = int(p.c.units), ldn = int(p.c.ldn);
   const int R = int(p.c.tile), S = int(p.c.slices);
   const int groups = (N + R - 1) / R, span = (H + S - 1) / S;
   for (int item = int(tid); item < S * U * groups; item += int(threads)) {
     const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
-    const int n0 = ng * R, k0 = s * span, k1 = H < k0 + span ? H : k0 + span;
+    if (int(block) * U + u >= H) continue;   // a partial last block's idle units
+    const int k0 = s * span, k1 = H < k0 + span ? H : k0 + span;
     T acc[G][kMaxTile];
 FUSEDRNN_UNROLL
     for (int g = 0; g < G; ++g)
@@ -263,14 +271,14 @@ FUSEDRNN_UNROLL
       for (int r = 0; r < kMaxTile; ++r) acc[g][r] = T(0);
     for (int k = k0; k < k1; ++k) {
       const T* w = w_s + (k * U + u) * G;
-      const T* h = h_s + k * ldn + n0;
+      const T* h = h_s + k * ldn + ng;
       T wk[G];
 FUSEDRNN_UNROLL
       for (int g = 0; g < G; ++g) wk[g] = w[g];
 FUSEDRNN_UNROLL
       for (int r = 0; r < kMaxTile; ++r) {
         if (r < R) {
-          const T hk = h[r];
+          const T hk = h[r * groups];
 FUSEDRNN_UNROLL
           for (int g = 0; g < G; ++g) acc[g][r] += wk[g] * hk;
         }
@@ -278,9 +286,10 @@ FUSEDRNN_UNROLL
     }
 FUSEDRNN_UNROLL
     for (int r = 0; r < kMaxTile; ++r) {
-      if (r < R && n0 + r < N) {
+      if (r < R && ng + r * groups < N) {
 FUSEDRNN_UNROLL
-        for (int g = 0; g < G; ++g) part_s[((s * U + u) * G + g) * ldn + n0 + r] = acc[g][r];
+        for (int g = 0; g < G; ++g)
+          part_s[((s * U + u) * G + g) * ldn + ng + r * groups] = acc[g][r];
       }
     }
   }
@@ -366,7 +375,8 @@ __host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, 
 // block needs all of dg_later (G*H x N), so each chunk of rows is read from L2 once per
 // block into shared memory (coalesced) and then shared by the block's U units, instead
 // of each task re-reading it. Within a chunk an item (s, u, n-group) sums slice s of the
-// chunk's rows for `tile` samples of unit u (a register tile, as in the forward) into
+// chunk's rows for `tile` samples of unit u (a register tile, its samples strided as in
+// the forward) into
 // its own slots part_s[(s*U + u)*ldn + n], which gather the step's chunks; the cell
 // phase adds a unit's S slots in slice order.
 
@@ -400,7 +410,7 @@ __host__ __device__ void backward_accumulate(const PersistentBackward<T>& p, con
   for (int item = int(tid); item < S * U * groups; item += int(threads)) {
     const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
     if (int(block) * U + u >= H) continue;
-    const int n0 = ng * R, r0 = s * span, r1 = rows < r0 + span ? rows : r0 + span;
+    const int r0 = s * span, r1 = rows < r0 + span ? rows : r0 + span;
     T part[4][kMaxTile];   // 4 independent chains per sample, not one long one
 FUSEDRNN_UNROLL
     for (int q = 0; q < 4; ++q)
@@ -411,22 +421,23 @@ FUSEDRNN_UNROLL
 FUSEDRNN_UNROLL
       for (int q = 0; q < 4; ++q) {
         const T w = w_rows[(r + q) * U + u];
-        const T* x = x_s + (r + q) * ldn + n0;
+        const T* x = x_s + (r + q) * ldn + ng;
 FUSEDRNN_UNROLL
         for (int i = 0; i < kMaxTile; ++i)
-          if (i < R) part[q][i] += x[i] * w;
+          if (i < R) part[q][i] += x[i * groups] * w;
       }
     for (; r < r1; ++r) {
       const T w = w_rows[r * U + u];
-      const T* x = x_s + r * ldn + n0;
+      const T* x = x_s + r * ldn + ng;
 FUSEDRNN_UNROLL
       for (int i = 0; i < kMaxTile; ++i)
-        if (i < R) part[0][i] += x[i] * w;
+        if (i < R) part[0][i] += x[i * groups] * w;
     }
 FUSEDRNN_UNROLL
     for (int i = 0; i < kMaxTile; ++i)
-      if (i < R && n0 + i < N)
-        part_s[(s * U + u) * ldn + n0 + i] += (part[0][i] + part[1][i]) + (part[2][i] + part[3][i]);
+      if (i < R && ng + i * groups < N)
+        part_s[(s * U + u) * ldn + ng + i * groups] +=
+            (part[0][i] + part[1][i]) + (part[2][i] + part[3][i]);
   }
 }
 
@@ -517,7 +528,7 @@ __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* ba
     __syncthreads();
     FUSEDRNN_PHASE_MARK(0, since);
     if (product_phase(p)) {   // the same for every thread: the barrier is reached by all
-      forward_product<Cell, T>(p, w_s, h_s, part_s, threadIdx.x, blockDim.x);
+      forward_product<Cell, T>(p, w_s, h_s, part_s, blockIdx.x, threadIdx.x, blockDim.x);
       __syncthreads();   // every item's partial sums are in part_s
     }
     forward_tasks<Cell, T>(p, w_s, h_s, part_s, blockIdx.x, threadIdx.x, blockDim.x, step);

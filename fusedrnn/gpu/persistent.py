@@ -73,8 +73,9 @@ class PersistentPlan:
     chunk: int           # backward: rows of the gate-gradient exchange staged at a time
     forward_smem: int    # bytes of dynamic shared memory per block
     backward_smem: int
-    tile: int = 1        # forward: samples per item of the recurrent product
-    slices: int = 1      # forward: slices of k per item
+    tile: int = 1        # samples per item of both recurrent products
+    slices: int = 1      # slices of the reduction per item: of k (forward), of each
+                         # staged chunk of gate rows (backward)
 
 
 def tile_slices(units, batch, hidden, tile):
@@ -86,17 +87,23 @@ def tile_slices(units, batch, hidden, tile):
 
 def persistent_plan(gates, hidden, batch, itemsize, limits, tile=1, slices=1):
     """The launch shape for one layer, or None where it does not fit on chip. `tile` and
-    `slices` shape the forward's recurrent product (module docstring); slices=None
-    picks tile_slices."""
+    `slices` shape both recurrent products (module docstring); slices=None picks
+    tile_slices, fewer where their partial sums would not fit beside W_h."""
     if not (isinstance(tile, int) and 1 <= tile <= MAX_TILE):
         raise ValueError(f"persistent_plan: tile must be an int in 1..{MAX_TILE}, got {tile!r}")
+    if not (slices is None or (isinstance(slices, int) and slices >= 1)):
+        raise ValueError(f"persistent_plan: slices must be an int >= 1, got {slices!r}")
     units = -(-hidden // limits.sm_count)
     blocks = -(-hidden // units)
-    if slices is None:
-        slices = tile_slices(units, batch, hidden, tile)
-    if not (isinstance(slices, int) and slices >= 1):
-        raise ValueError(f"persistent_plan: slices must be an int >= 1, got {slices!r}")
     ldn = (-(-batch // tile) * tile) | 1
+    for count in ([slices] if slices else range(tile_slices(units, batch, hidden, tile), 0, -1)):
+        plan = _plan(gates, hidden, batch, itemsize, limits, tile, count, units, blocks, ldn)
+        if plan is not None:
+            return plan
+    return None
+
+
+def _plan(gates, hidden, batch, itemsize, limits, tile, slices, units, blocks, ldn):
     # The forward's partial sums exist only where it runs a product phase (persistent.cuh,
     # product_phase).
     partials = slices * units * gates * ldn if (tile, slices) != (1, 1) else 0

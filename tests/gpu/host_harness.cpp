@@ -51,7 +51,8 @@ void host_persistent_forward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_FO
       for (idx_t tid = 0; tid < threads; ++tid) stage_state(p, h_s[b].data(), step, tid, threads);
       if (product_phase(p))
         for (idx_t tid = 0; tid < threads; ++tid)
-          forward_product<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), tid, threads);
+          forward_product<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), b, tid,
+                                   threads);
       for (idx_t tid = 0; tid < threads; ++tid)
         forward_tasks<Cell, T>(p, w_s[b].data(), h_s[b].data(), part_s.data(), b, tid, threads,
                                step);

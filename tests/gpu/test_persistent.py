@@ -107,8 +107,12 @@ def test_tiled_plan_pads_the_state_rows_to_whole_tiles_and_fills_the_block():
     assert plan.backward_smem == (4 * 800 * 7 + 14 * 7 * 21 + plan.chunk * 21) * 4
     assert persistent_plan(4, 800, 22, 4, H100, tile=4).ldn == 25   # 22 -> 24 -> odd
     assert persistent_plan(1, 64, 3, 4, H100, tile=2, slices=None).slices == 8   # H // 8
-    # Where the partial sums do not fit beside W_h, the plan refuses the layer.
+    # Where the partial sums do not fit beside W_h, the plan refuses the layer; chosen
+    # slices shrink until they fit (LSTM H=1024 N=20: 12 would fill the block, 5 fit).
     assert persistent_plan(4, 800, 20, 4, H100, tile=1, slices=64) is None
+    assert persistent.tile_slices(8, 20, 1024, 4) == 12
+    assert persistent_plan(4, 1024, 20, 4, H100, tile=4, slices=None).slices == 5
+    assert persistent_plan(4, 1024, 20, 4, H100, tile=4, slices=6) is None
 
 
 @pytest.mark.parametrize("tile, slices", [(0, 1), (5, 1), (2.0, 1), (1, 0), (1, 1.5)])
