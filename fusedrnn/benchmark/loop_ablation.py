@@ -34,20 +34,21 @@ from fusedrnn.cpu import fused
 
 # Source text each cut replaces, per kernel: (pattern, replacement). A pattern that no
 # longer occurs raises, so the script cannot quietly time the uncut kernel.
-_CELL_FORWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
-                 "                            h, c, s0")
+_CELL_FORWARD = ("                            for u in range(lanes):      # the cell, on the tile alone\n"
+                 "                                h, c, s0")
 _CELL_BACKWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
                   "                            dx0, dx1")
-_GEMM = "                        panel_gemm(h_prev_addr, H, N,"
-_SAMPLES = ("                    for n in range(N):\n"
-            "                        # Addresses of this sample's rows (all arrays C-contiguous).\n"
-            "                        trow = tile.ctypes.data + n * row * itemsize\n"
-            "                        h_prev = h_rows")
+_GEMM = ("                    if not single_step:\n"
+         "                        if pair == 2")
+_SAMPLES = ("                        for n in range(N):\n"
+            "                            # Addresses of this sample's rows (all arrays C-contiguous).\n"
+            "                            trow = tile.ctypes.data + n * row * itemsize\n"
+            "                            h_prev = h_rows")
 CUTS = {
     "forward": {
         "base": [],
         "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
-        "no_gemm": [(_GEMM, "                        if False:\n    " + _GEMM)],
+        "no_gemm": [(_GEMM, _GEMM.replace("if not single_step:", "if False:"))],
         "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
     },
     "backward": {

@@ -99,6 +99,13 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     r_cols_in = _columns(*(_R + min(g, last) for g in range(4)))
     h_prev_in, c_prev_in, h_out, c_out = _columns(_HP, _CP, _H, _C)
     s_out = _columns(*(_S + k for k in range(4)))
+    # A one-gate cell (the RNNs) has one W_h panel per block, and a one-panel tile keeps
+    # 6 sums (lowlevel/microkernel.py): so for T > 1 and N >= PAIR_ROWS a work item is two
+    # blocks, their two panels in one product (8 x 2 tiles). Group _R + 1 of the first
+    # block's tile, unused by a one-gate cell, takes the second block's product on its way
+    # to that block's tile.
+    # Measured: bench/results/cpu-kernel-notes.md#fused-one-gate-blocks-in-pairs
+    per = 2 if gates == 1 and not single_step else 1
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                       clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters,
@@ -118,6 +125,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         # the loop serially (measured: every fused call 2.5x slower). Guarded by
         # tests/cpu/test_parallel_regions.py.
         blocks = tiles.shape[0] if single_step else wpack.shape[0]
+        pair = 2 if per == 2 and N >= PAIR_ROWS else 1
+        claims = -(-blocks // pair)   # work items: blocks, or pairs of one-gate blocks
         if single_step:   # x and h_0 as columns, 16 samples per panel (serial: small)
             for p in range(x_cols.shape[0]):
                 pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
@@ -131,88 +140,104 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                 h_prev_addr = h_rows + prev * N * H * itemsize
                 done = 0
                 while True:
-                    b = claim(counters, step, worker, workers, blocks)
-                    if b < 0:
+                    q = claim(counters, step, worker, workers, claims)
+                    if q < 0:
                         break
                     done += 1
-                    tile = tiles[b]
-                    j0 = b * PANEL
-                    width = min(PANEL, H - j0)
-                    if not single_step:   # all G gate panels of the block in one product
-                        panel_gemm(h_prev_addr, H, N, wpack[b, 0].ctypes.data, H * PANEL,
-                                   gates, tile.ctypes.data + _R * PANEL * itemsize, row, H,
-                                   like)
-                    else:
-                        for g in range(gates):
-                            # (W rows of this block's units) @ (all samples, 16 to a
-                            # column panel), stored transposed into the tile: the
-                            # weights are read once, in place.
-                            c = tile.ctypes.data
-                            panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
-                                         width, x_cols.ctypes.data, K * PANEL,
-                                         x_cols.shape[0], c + (_X + g) * PANEL * itemsize,
-                                         row, K, like)
-                            panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
-                                         width, h_cols.ctypes.data, H * PANEL,
-                                         h_cols.shape[0], c + (_R + g) * PANEL * itemsize,
-                                         row, H, like)
-                            for n in range(N):   # units past H (a partial block): defined zeros
-                                for u in range(width, PANEL):
-                                    tile[n, (_R + g) * PANEL + u] = 0
-                                    tile[n, (_X + g) * PANEL + u] = 0
-                    for n in range(N):
-                        # Addresses of this sample's rows (all arrays C-contiguous).
-                        trow = tile.ctypes.data + n * row * itemsize
-                        h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
-                        h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
-                        c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
-                        c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
-                        sample = t * N + n
-                        y_row = y.ctypes.data + (sample * y.shape[2] + y_col + j0) * itemsize
-                        if not (all_active or t < lengths[n]):   # past its length: carry, y = 0
-                            row_copy(h_next, h_prev, width, like)
+                    first = q * pair
+                    if not single_step:
+                        if pair == 2 and first + 1 < blocks:
+                            # Two one-gate blocks in one product (note above
+                            # _make_layer_forward), the second's panel into its own tile.
+                            panel_gemm(h_prev_addr, H, N, wpack[first, 0].ctypes.data,
+                                       H * PANEL, 2,
+                                       tiles[first].ctypes.data + _R * PANEL * itemsize, row,
+                                       H, like)
+                            for n in range(N):
+                                row_copy(tiles[first + 1].ctypes.data +
+                                         (n * row + _R * PANEL) * itemsize,
+                                         tiles[first].ctypes.data +
+                                         (n * row + (_R + 1) * PANEL) * itemsize, PANEL, like)
+                        else:   # all G gate panels of the block in one product
+                            panel_gemm(h_prev_addr, H, N, wpack[first, 0].ctypes.data,
+                                       H * PANEL, gates,
+                                       tiles[first].ctypes.data + _R * PANEL * itemsize, row,
+                                       H, like)
+                    for b in range(first, min(blocks, first + pair)):
+                        tile = tiles[b]
+                        j0 = b * PANEL
+                        width = min(PANEL, H - j0)
+                        if single_step:
+                            for g in range(gates):
+                                # (W rows of this block's units) @ (all samples, 16 to a
+                                # column panel), stored transposed into the tile: the
+                                # weights are read once, in place.
+                                c = tile.ctypes.data
+                                panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
+                                             width, x_cols.ctypes.data, K * PANEL,
+                                             x_cols.shape[0], c + (_X + g) * PANEL * itemsize,
+                                             row, K, like)
+                                panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
+                                             width, h_cols.ctypes.data, H * PANEL,
+                                             h_cols.shape[0], c + (_R + g) * PANEL * itemsize,
+                                             row, H, like)
+                                for n in range(N):   # units past H (partial block): zeros
+                                    for u in range(width, PANEL):
+                                        tile[n, (_R + g) * PANEL + u] = 0
+                                        tile[n, (_X + g) * PANEL + u] = 0
+                        for n in range(N):
+                            # Addresses of this sample's rows (all arrays C-contiguous).
+                            trow = tile.ctypes.data + n * row * itemsize
+                            h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
+                            h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
+                            c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
+                            c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
+                            sample = t * N + n
+                            y_row = y.ctypes.data + (sample * y.shape[2] + y_col + j0) * itemsize
+                            if not (all_active or t < lengths[n]):   # past its end: carry, y=0
+                                row_copy(h_next, h_prev, width, like)
+                                if has_c:
+                                    row_copy(c_next, c_prev, width, like)
+                                for u in range(width):
+                                    y[t, n, y_col + j0 + u] = 0
+                                continue
+                            for g in range(gates):      # gather this block's inputs
+                                r_g = trow + (_R + g) * PANEL * itemsize
+                                x_g = trow + (_X + g) * PANEL * itemsize
+                                unit = g * H + j0
+                                row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width, like)
+                                x_in = x_g if single_step else xproj.ctypes.data + (
+                                    sample * xproj.shape[2] + x_col + unit) * itemsize
+                                row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
+                            row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
+                            if has_c:   # (the other cells never read c_prev)
+                                row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
+                            for u in range(lanes):      # the cell, on the tile alone
+                                h, c, s0, s1, s2, s3 = forward_unit(
+                                    mode, tile[n, x_cols_in[0] + u], tile[n, x_cols_in[1] + u],
+                                    tile[n, x_cols_in[2] + u], tile[n, x_cols_in[3] + u],
+                                    tile[n, r_cols_in[0] + u], tile[n, r_cols_in[1] + u],
+                                    tile[n, r_cols_in[2] + u], tile[n, r_cols_in[3] + u],
+                                    tile[n, h_prev_in + u], tile[n, c_prev_in + u],
+                                    clip_lo, clip_hi, clip_flags)
+                                tile[n, h_out + u] = h
+                                tile[n, c_out + u] = c
+                                tile[n, s_out[0] + u] = s0
+                                tile[n, s_out[1] + u] = s1
+                                tile[n, s_out[2] + u] = s2
+                                tile[n, s_out[3] + u] = s3
+                            h_new = trow + _H * PANEL * itemsize      # scatter
+                            row_copy(h_next, h_new, width, like)
+                            row_copy(y_row, h_new, width, like)
                             if has_c:
-                                row_copy(c_next, c_prev, width, like)
-                            for u in range(width):
-                                y[t, n, y_col + j0 + u] = 0
-                            continue
-                        for g in range(gates):      # gather this block's inputs
-                            r_g = trow + (_R + g) * PANEL * itemsize
-                            x_g = trow + (_X + g) * PANEL * itemsize
-                            unit = g * H + j0
-                            row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width, like)
-                            x_in = x_g if single_step else xproj.ctypes.data + (
-                                sample * xproj.shape[2] + x_col + unit) * itemsize
-                            row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
-                        row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
-                        if has_c:   # (the other cells never read c_prev)
-                            row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
-                        for u in range(lanes):      # the cell, on the tile alone
-                            h, c, s0, s1, s2, s3 = forward_unit(
-                                mode, tile[n, x_cols_in[0] + u], tile[n, x_cols_in[1] + u],
-                                tile[n, x_cols_in[2] + u], tile[n, x_cols_in[3] + u],
-                                tile[n, r_cols_in[0] + u], tile[n, r_cols_in[1] + u],
-                                tile[n, r_cols_in[2] + u], tile[n, r_cols_in[3] + u],
-                                tile[n, h_prev_in + u], tile[n, c_prev_in + u],
-                                clip_lo, clip_hi, clip_flags)
-                            tile[n, h_out + u] = h
-                            tile[n, c_out + u] = c
-                            tile[n, s_out[0] + u] = s0
-                            tile[n, s_out[1] + u] = s1
-                            tile[n, s_out[2] + u] = s2
-                            tile[n, s_out[3] + u] = s3
-                        h_new = trow + _H * PANEL * itemsize      # scatter
-                        row_copy(h_next, h_new, width, like)
-                        row_copy(y_row, h_new, width, like)
-                        if has_c:
-                            row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
-                        if record:
-                            rec = saved.ctypes.data + (
-                                (d * T * N + sample) * saved.shape[3] + j0) * itemsize
-                            for k in range(saved_width):
-                                row_copy(rec + k * H * itemsize,
-                                         trow + (_S + k) * PANEL * itemsize, width, like)
-                finish(counters, step, done, blocks)
+                                row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
+                            if record:
+                                rec = saved.ctypes.data + (
+                                    (d * T * N + sample) * saved.shape[3] + j0) * itemsize
+                                for k in range(saved_width):
+                                    row_copy(rec + k * H * itemsize,
+                                             trow + (_S + k) * PANEL * itemsize, width, like)
+                finish(counters, step, done, claims)
 
     return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_forward)
 
@@ -351,6 +376,10 @@ def _workshare(steps, blocks, serial=False):
 # region wins from a few thousand multiply-adds per call.
 # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-single-steps
 SERIAL_WORK = 1 << 19
+# One-gate blocks go in pairs from this many samples (the note above _make_layer_forward):
+# at N=1 a 1 x 2 tile has two sums and no split, and rnn_tanh T=100 N=1 H=512 measured
+# 0.91-0.94x; from N=4 the pairs measured 1.06-1.22x; N=2-3 was within noise.
+PAIR_ROWS = 4
 SERIAL_POINTWISE = 1 << 14
 
 

@@ -11,7 +11,7 @@ from conftest import MODES, make_case, rel_err
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
-from fusedrnn.config import CallOptions
+from fusedrnn.config import CELLS, CallOptions
 from host_backend import HostCudaBackend, build_harness, run_training
 
 H100 = DeviceLimits(sm_count=132, smem_per_block=227 * 1024)
@@ -92,7 +92,8 @@ def test_persistent_tiled_backward_over_chunks(harness, mode, chunk):
 @pytest.mark.parametrize("mode", MODES)
 def test_persistent_tiled_product_with_lengths_clip_and_few_threads(harness, mode):
     case, kw, heads = make_case(mode, T=7, N=5, I=4, H=9, L=2, D=2, seed=9)
-    options = CallOptions(lengths=LENGTHS.lengths, **(CLIPPED if mode == "lstm" else {}))
+    clip = CLIPPED if CELLS[mode].has_cell_state else {}   # state clipping: cells with c
+    options = CallOptions(lengths=LENGTHS.lengths, **clip)
     _check(harness, case, kw, heads, np.float64, options, limits=FOUR_SMS, threads=3,
            tile=4, slices=3)
 
