@@ -10,6 +10,8 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
     rows         row_copy, row_add, row_add3: 16-element vector row moves
     workshare    claim, finish, new_counters: the steps' blocks shared in one region
     mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math
+    bf16         HAS_BF16, panel_gemm_bf16, pack_pairs: the AVX512-BF16 register tile
+                 (vdpbf16ps) and its panel layout, for the bfloat16 path (not yet wired)
 
 Words, each in one sense here and in fused.py (three of them used to have several):
     panel        16 columns of a weight, packed (K, 16) contiguous: what the micro-kernel
@@ -34,9 +36,10 @@ from .packing import (pack_input_weights, pack_panel, pack_recurrent, pack_recur
                       panels)
 from .rows import row_add, row_add3, row_copy
 from .workshare import claim, finish, new_counters
+from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16
 
-__all__ = ["CHUNK", "PANEL", "VECTOR_BITS", "claim", "fast_exp", "finish", "new_counters",
-           "one_like", "pack_input_weights", "pack_panel", "pack_recurrent",
-           "pack_recurrent_rows", "panel_gemm", "panel_gemm_t", "panels", "project",
+__all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "claim", "fast_exp", "finish", "new_counters",
+           "one_like", "pack_input_weights", "pack_pairs", "pack_panel", "pack_recurrent",
+           "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_t", "panels", "project",
            "row_add", "row_add3", "row_copy", "select", "sigmoid", "tanh", "tile_settings",
            "zero_like"]

@@ -1,0 +1,180 @@
+"""A bfloat16 register tile for AVX512-BF16: the building block of issue 25's CPU path.
+
+`vdpbf16ps` multiplies pairs of bfloat16 values and adds both products to float32 lanes:
+per 512-bit instruction 16 lanes x 2 products, twice the multiply-adds of a float32 FMA
+at the same width, with float32 accumulation. llvmlite's IR has no bfloat type, so the
+intrinsic is reached through a helper written in LLVM's textual IR (_HELPER), parsed
+once and linked into each module that asks for it; LLVM inlines it (alwaysinline).
+
+Layouts (k counted in pairs, kp = ceil(K / 2); an odd K is padded with a zero by the
+packer):
+    A      (rows, kp) uint32, row stride lda (uint32s): A[r, 2p] in the low half of
+           element (r, p), A[r, 2p+1] in the high half (a bfloat16 matrix (rows, 2kp)
+           viewed as uint32, as it lies in memory)
+    panel  (kp, 16) uint32: element (p, j) holds B[2p, j] (low) and B[2p+1, j] (high),
+           16 columns of B (pack_pairs)
+panel_gemm_bf16(a, lda, rows, panel, pstride, npanels, c, ldc, kp)  (Numba intrinsic)
+    C (rows, npanels*16) float32, row stride ldc, overwritten with A @ [panel_0 ..];
+    panel j at panel + j*pstride uint32s; npanels a compile-time constant. Tiles as the
+    float32 micro-kernel's (microkernel.tile_height: up to 24 accumulators, 8 rows).
+    Addresses are integers; C must not overlap A or the panels.
+Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
+select the instruction, and the callers must not compile this.
+"""
+from __future__ import annotations
+
+import functools
+
+import llvmlite.binding as llb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core import codegen as numba_codegen
+from numba.core import config as numba_config
+from numba.extending import intrinsic
+
+from .microkernel import PANEL, _groups, _function, tile_height
+
+__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16"]
+
+
+def _has_bf16():
+    features = numba_config.CPU_FEATURES
+    if features is None:
+        features = numba_codegen.get_host_cpu_features()
+    return "+avx512bf16" in features.split(",")
+
+
+HAS_BF16 = _has_bf16()
+
+_HELPER = r"""
+define <16 x float> @fusedrnn_dpbf16(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {
+  %a2 = bitcast <16 x i32> %a to <32 x bfloat>
+  %b2 = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %a2, <32 x bfloat> %b2)
+  ret <16 x float> %r
+}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+"""
+_helper_libraries = {}   # one parsed helper per Numba codegen
+
+
+def _link_helper(context):
+    """fusedrnn_dpbf16 available to the module being built (linked once per library)."""
+    codegen = context.codegen()
+    lib = _helper_libraries.get(id(codegen))
+    if lib is None:
+        lib = codegen.create_library("fusedrnn_bf16_helper")
+        lib.add_llvm_module(llb.parse_assembly(_HELPER))
+        lib.finalize()
+        _helper_libraries[id(codegen)] = lib
+    active = context.active_code_library
+    if lib not in getattr(active, "_linking_libraries", ()):
+        active.add_linking_library(lib)
+
+
+def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group):
+    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts)."""
+    intp = a.type
+    const = functools.partial(ir.Constant, intp)
+    u32, f32 = ir.IntType(32), ir.FloatType()
+    u32v, f32v = ir.VectorType(u32, 16), ir.VectorType(f32, 16)
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v, u32v, u32v]),
+                                         "fusedrnn_dpbf16")
+    a_ptr = builder.inttoptr(a, u32.as_pointer())
+    b_ptr = builder.inttoptr(panel, u32.as_pointer())
+    c_ptr = builder.inttoptr(c, f32.as_pointer())
+    acc = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in range(group)]
+           for _ in range(rows)]
+    splat = ir.Constant(ir.VectorType(u32, 16), [0] * 16)
+    undef = ir.Constant(u32v, ir.Undefined)
+    with cgutils.for_range(builder, kp) as loop:
+        p = loop.index
+        b = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(
+            builder.mul(p, const(PANEL)), builder.mul(const(j), pstride))]), u32v.as_pointer()),
+            align=4) for j in range(group)]
+        for r in range(rows):
+            at = builder.add(builder.mul(const(r), lda), p)
+            pair = builder.load(builder.gep(a_ptr, [at]))
+            a_vec = builder.shuffle_vector(
+                builder.insert_element(undef, pair, ir.Constant(u32, 0)), undef, splat)
+            for j in range(group):
+                builder.store(builder.call(dot, [builder.load(acc[r][j]), a_vec, b[j]]), acc[r][j])
+    for r in range(rows):
+        for j in range(group):
+            at = builder.add(builder.mul(const(r), ldc), const(j * PANEL))
+            builder.store(builder.load(acc[r][j]),
+                          builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer()), align=4)
+
+
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels):
+    """Every row over npanels panels: panels in balanced groups, rows in balanced tiles,
+    each tile its own noinline function (as microkernel._emit_gemm)."""
+    intp = a.type
+    const = functools.partial(ir.Constant, intp)
+    fn = builder.function
+    first = 0
+    for group in _groups(npanels, 4):
+        most = tile_height(np.float32, group)
+        tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
+        done = cgutils.alloca_once_value(builder, const(0))
+        group_panel = builder.add(panel, builder.mul(builder.mul(const(first), pstride), const(4)))
+        group_c = builder.add(c, const(first * PANEL * 4))
+        with cgutils.for_range(builder, tiles) as loop:
+            r = builder.load(done)
+            height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
+            a_r = builder.add(a, builder.mul(builder.mul(r, lda), const(4)))
+            c_r = builder.add(group_c, builder.mul(builder.mul(r, ldc), const(4)))
+            after = fn.append_basic_block()
+            switch = builder.switch(height, after)
+            for h in range(1, most + 1):
+                case = fn.append_basic_block()
+                switch.add_case(const(h), case)
+                with builder.goto_block(case):
+                    tile = _function(builder.module, f"fusedrnn_tile{h}x{group}_bf16", intp, 7,
+                                     functools.partial(_emit_tile, rows=h, group=group))
+                    builder.call(tile, [a_r, lda, group_panel, pstride, c_r, ldc, kp])
+                    builder.branch(after)
+            builder.position_at_end(after)
+            builder.store(builder.add(r, height), done)
+        first += group
+
+
+@intrinsic
+def panel_gemm_bf16(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
+    for arg in (a, lda, rows, panel, pstride, c, ldc, kp):
+        if not isinstance(arg, types.Integer):
+            return None
+    if not isinstance(npanels, types.IntegerLiteral):
+        return None        # Numba retries with the literal where there is one
+    count = npanels.literal_value
+    if count < 1:
+        raise ValueError(f"panel_gemm_bf16: npanels must be >= 1, got {count}")
+    if not HAS_BF16:
+        raise NotImplementedError("panel_gemm_bf16: this CPU has no AVX512-BF16")
+
+    def codegen(context, builder, signature, args):
+        _link_helper(context)
+        ints = [context.cast(builder, args[i], signature.args[i], types.intp)
+                for i in (0, 1, 2, 3, 4, 6, 7, 8)]
+        fn = _function(builder.module, f"fusedrnn_gemm{count}_bf16", ints[0].type, 8,
+                       functools.partial(_emit_gemm, npanels=count))
+        builder.call(fn, ints)
+        return context.get_dummy_value()
+
+    return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, kp), codegen
+
+
+def pack_pairs(b):
+    """B (K, C) as bfloat16 bits (uint16, or ml_dtypes.bfloat16) -> panels
+    (ceil(C/16), ceil(K/2), 16) uint32 in the module docstring's layout, zero-padded in K
+    and C."""
+    bits = np.asarray(b).view(np.uint16)
+    K, C = bits.shape
+    kp, count = -(-K // 2), -(-C // PANEL)
+    padded = np.zeros((2 * kp, count * PANEL), np.uint16)
+    padded[:K, :C] = bits
+    # (kp, 2, count, 16) -> (count, kp, 16, 2): the pair of k adjacent, low half first
+    pairs = padded.reshape(kp, 2, count, PANEL).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(pairs).view(np.uint32).reshape(count, kp, PANEL)
