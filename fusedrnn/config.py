@@ -19,10 +19,11 @@ __all__ = ["CellSpec", "CELLS", "MODES", "modes_with", "RNNConfig", "check_confi
 
 CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
 
-# None, or while fusedrnn.torch calls the op, torch's GEMM: gemm(a, b, out, transpose_a)
-# on numpy arrays, out = a @ b (a^T @ b), run on torch's thread pool. The program's other
-# work is torch's, so the CPU backend runs its GEMMs there too (CpuBackend.matmul) and
-# keeps numpy's BLAS threads off torch's cores (cpu/threads.py).
+# None, or while fusedrnn.torch calls the op, torch's own operations on numpy arrays, run
+# on torch's thread pool: an object with matmul(a, b, out, transpose_a) (out = a @ b, or
+# a^T @ b) and transpose(a, out) (out = a^T). The program's other work is torch's, so the
+# CPU backend runs its GEMMs there too (CpuBackend.matmul) and keeps numpy's BLAS threads
+# off torch's cores (cpu/threads.py).
 TORCH_CALLER = contextvars.ContextVar("fusedrnn_torch_caller", default=None)
 
 

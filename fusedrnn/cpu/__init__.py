@@ -23,6 +23,23 @@ __all__ = ["CpuBackend", "BACKEND"]
 # or in a torch program on torch's (CpuBackend.matmul).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GEMM_WORK = 1 << 28
+# In a torch program a float32 weight gradient a^T @ b with b at least this wide and this
+# many multiply-adds runs as torch's transposing copy of a, then the micro-kernel. Alone
+# (M x K x C, GFLOP/s against torch's): 2048 x 3200 x 512 343 / 222, 3200 x 6000 x 800
+# 357 / 236, 768 x 6400 x 256 236 / 216, 768 x 6400 x 128 183 / 195, 2048 x 3200 x 80
+# 129 / 179. In the train steps: the acoustic model (C = 512) 437-460 -> 367-390 ms (and
+# 454 -> 439 in a noisier round); with a bound of 256 the GRU encoder's 768 x 6400 x 256
+# gradient went this way too and gained nothing measurable (67.1-76.8 against 67.6-69.9
+# ms; identical code varied as much), so the bound is 512.
+# Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
+OWN_GRADIENT_COLUMNS = 512
+OWN_GRADIENT_WORK = 1 << 29
+
+
+def _own_product(a, b, out):
+    """out = a @ b on the micro-kernel, b packed into panels first (all C-contiguous)."""
+    spill = np.empty((-(-a.shape[0] // CHUNK), CHUNK, PANEL), out.dtype)
+    return project(a, pack_recurrent_rows(b), out, spill)
 
 
 class CpuBackend:
@@ -59,22 +76,25 @@ class CpuBackend:
         pool: there OpenBLAS's threads, spinning after each GEMM, took a core from the
         program's own ops (a torch Linear beside a training step 2.3x slower) and on
         one thread the GEMMs are slow (the acoustic model's step: numpy's BLAS on one
-        thread 534 ms, torch's 438 ms).
+        thread 534 ms, torch's 438 ms). In a torch program a large float32 a^T @ b
+        (OWN_GRADIENT_*) takes torch's transposing copy of a, then the micro-kernel.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
         #threads-blas-on-one-thread"""
         M, K = a.shape[::-1] if transpose_a else a.shape
-        own = not transpose_a and M * K * b.shape[1] >= OWN_GEMM_WORK and \
-            own_gemm(out.dtype) and a.flags.c_contiguous and \
-            b.flags.c_contiguous and out.flags.c_contiguous and \
-            a.dtype == b.dtype == out.dtype
-        if own:
-            spill = np.empty((-(-M // CHUNK), CHUNK, PANEL), out.dtype)
-            return project(a, pack_recurrent_rows(b), out, spill)
-        torch_gemm = TORCH_CALLER.get()
-        if torch_gemm is not None and a.dtype == b.dtype == out.dtype and \
-                all(x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
-            return torch_gemm(a, b, out, transpose_a)
-        return np.matmul(a.T if transpose_a else a, b, out=out)
+        C = b.shape[1]
+        same = a.dtype == b.dtype == out.dtype
+        if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
+                and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
+            return _own_product(a, b, out)
+        host = TORCH_CALLER.get()
+        if host is None or not same or not all(
+                x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
+            return np.matmul(a.T if transpose_a else a, b, out=out)
+        if transpose_a and C >= OWN_GRADIENT_COLUMNS and M * K * C >= OWN_GRADIENT_WORK \
+                and out.dtype == np.float32 and out.flags.c_contiguous:
+            return _own_product(host.transpose(a, np.empty((M, K), out.dtype)),
+                                np.ascontiguousarray(b), out)
+        return host.matmul(a, b, out, transpose_a)
 
     @staticmethod
     def is_array(value):

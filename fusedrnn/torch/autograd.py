@@ -32,13 +32,27 @@ def to_tensor(array):
     return None if array is None else torch.from_dlpack(array)
 
 
-def _torch_gemm(a, b, out, transpose_a=False):
-    """out = a @ b, or a^T @ b, numpy arrays, by torch on its own thread pool (zero-copy
-    views; config.TORCH_CALLER). The arrays must be writeable with non-negative strides
-    (torch.from_numpy's conditions; CpuBackend.matmul checks)."""
-    a = torch.from_numpy(a)
-    torch.matmul(a.T if transpose_a else a, torch.from_numpy(b), out=torch.from_numpy(out))
-    return out
+class TorchHost:
+    """What config.TORCH_CALLER holds during a fusedrnn.torch call: torch's operations on
+    numpy arrays (zero-copy views), on torch's own thread pool. The arrays must be
+    writeable with non-negative strides (torch.from_numpy's conditions; CpuBackend.matmul
+    checks)."""
+
+    @staticmethod
+    def matmul(a, b, out, transpose_a=False):
+        """out = a @ b, or a^T @ b."""
+        a = torch.from_numpy(a)
+        torch.matmul(a.T if transpose_a else a, torch.from_numpy(b), out=torch.from_numpy(out))
+        return out
+
+    @staticmethod
+    def transpose(a, out):
+        """out = a^T (a contiguous copy: numpy's transposing copy of a 26 MB dG took 46 ms)."""
+        torch.from_numpy(out).copy_(torch.from_numpy(a).T)
+        return out
+
+
+TORCH_HOST = TorchHost()
 
 
 @contextlib.contextmanager
@@ -46,7 +60,7 @@ def _from_torch(tensor):
     """Around every call into the op: on torch's stream, and marked as a torch program's
     call (config.TORCH_CALLER: the CPU backend then runs its GEMMs on torch's threads and
     keeps numpy's BLAS off torch's cores)."""
-    token = TORCH_CALLER.set(_torch_gemm)
+    token = TORCH_CALLER.set(TORCH_HOST)
     try:
         with _same_stream(tensor):
             yield

@@ -1,7 +1,8 @@
 """fusedrnn.cpu.CpuBackend.matmul, the op's large GEMMs: a @ b on the micro-kernel
 above OWN_GEMM_WORK and a^T @ b on numpy's BLAS, each against float64 numpy into a
 NaN-poisoned output, at sizes on both sides of the threshold; in a torch program
-(config.TORCH_CALLER) everything but the micro-kernel's products on torch's GEMM."""
+(config.TORCH_CALLER) everything but the micro-kernel's products on torch's GEMM, and
+large float32 weight gradients as torch's transpose, then the micro-kernel."""
 import numpy as np
 import pytest
 
@@ -34,36 +35,66 @@ def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
     assert bool(calls) == own, "the micro-kernel ran where the rule says numpy (or back)"
 
 
-@pytest.mark.parametrize("case", ["transposed", "small", "large", "negative strides",
-                                  "read-only", "mixed dtypes"])
-def test_a_torch_programs_gemms_go_to_its_gemm(monkeypatch, case):
-    """With config.TORCH_CALLER holding torch's GEMM (a recording stand-in here), every
-    product the micro-kernel does not take goes there, unless torch.from_numpy could not
-    view its arrays (negative strides, read-only) or their dtypes differ: numpy then."""
+class StandIn:
+    """What config.TORCH_CALLER holds in a torch program (torch's operations), on numpy,
+    recording each call in `calls`."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def matmul(self, a, b, out, transpose_a=False):
+        self.calls.append("torch")
+        return np.matmul(a.T if transpose_a else a, b, out=out)
+
+    def transpose(self, a, out):
+        self.calls.append("transpose")
+        np.copyto(out, a.T)
+        return out
+
+
+# case: (M, K, C, transpose_a, dtype, what runs)
+TORCH_CASES = {
+    "transposed": (21, 37, 17, True, np.float32, ["torch"]),
+    "small": (21, 37, 17, False, np.float32, ["torch"]),
+    "large": (300, 3000, 301, False, np.float32, ["kernel"]),
+    # a^T @ b at OWN_GRADIENT_* (512 * 2048 * 512 = 2^29): torch's transpose, our kernel
+    "weight gradient": (512, 2048, 512, True, np.float32, ["transpose", "kernel"]),
+    "weight gradient, narrow": (512, 4096, 256, True, np.float32, ["torch"]),
+    "weight gradient, small": (512, 1024, 512, True, np.float32, ["torch"]),
+    "weight gradient, float64": (512, 2048, 512, True, np.float64, ["torch"]),
+    "negative strides": (21, 37, 17, False, np.float32, []),
+    "read-only": (21, 37, 17, False, np.float32, []),
+    "mixed dtypes": (21, 37, 17, False, np.float32, []),
+}
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_a_torch_programs_gemms_go_to_torch(monkeypatch, case):
+    """With config.TORCH_CALLER holding torch's operations (a recording stand-in here),
+    every product the micro-kernel does not take goes to torch's GEMM, and a large
+    float32 weight gradient to torch's transpose and then the micro-kernel; numpy's BLAS
+    where torch.from_numpy could not view the arrays (negative strides, read-only) or
+    their dtypes differ."""
+    M, K, C, transpose_a, dtype, expected = TORCH_CASES[case]
     rng = np.random.default_rng(2)
-    M, K, C = (300, 3000, 301) if case == "large" else (21, 37, 17)
-    a = rng.standard_normal((K, M) if case == "transposed" else (M, K)).astype(np.float32)
-    b = rng.standard_normal((K, C)).astype(np.float32)
+    wide = rng.standard_normal((K, M + 3) if transpose_a else (M, K)).astype(dtype)
+    a = wide[:, 3:] if transpose_a else wide   # dG's columns of one direction: strided rows
+    b = rng.standard_normal((K, C)).astype(dtype)
     if case == "negative strides":
         b = b[::-1][::-1].copy()[::-1]
     if case == "read-only":
         a.flags.writeable = False
     if case == "mixed dtypes":
         b = b.astype(np.float64)
-    out = np.full((M, C), np.nan, np.float32)
+    out = np.full((M, C), np.nan, dtype)
     calls = []
     monkeypatch.setattr(cpu, "project", lambda *args: calls.append("kernel") or
                         cpu.lowlevel.project(*args))
-
-    def stand_in(a, b, out, transpose_a=False):
-        calls.append("torch")
-        return np.matmul(a.T if transpose_a else a, b, out=out)
-    token = TORCH_CALLER.set(stand_in)
+    token = TORCH_CALLER.set(StandIn(calls))
     try:
-        CpuBackend.matmul(a, b, out, transpose_a=case == "transposed")
+        CpuBackend.matmul(a, b, out, transpose_a=transpose_a)
     finally:
         TORCH_CALLER.reset(token)
-    want = (a.T if case == "transposed" else a).astype(np.float64) @ b.astype(np.float64)
-    assert np.max(np.abs(out - want)) <= 1e-5 * np.max(np.abs(want))
-    expected = {"transposed": ["torch"], "small": ["torch"], "large": ["kernel"]}
-    assert calls == expected.get(case, []), case
+    want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
+    assert calls == expected, case

@@ -98,14 +98,22 @@ def _blas_threads():
             if lib["user_api"] == "blas"]
 
 
-def _stand_in_gemm(a, b, out, transpose_a=False):
-    """What config.TORCH_CALLER holds in a torch program (torch's GEMM), on numpy."""
-    return np.matmul(a.T if transpose_a else a, b, out=out)
+class _StandIn:
+    """What config.TORCH_CALLER holds in a torch program (torch's operations), on numpy."""
+
+    @staticmethod
+    def matmul(a, b, out, transpose_a=False):
+        return np.matmul(a.T if transpose_a else a, b, out=out)
+
+    @staticmethod
+    def transpose(a, out):
+        np.copyto(out, a.T)
+        return out
 
 
 @pytest.fixture
 def torch_caller():
-    token = TORCH_CALLER.set(_stand_in_gemm)
+    token = TORCH_CALLER.set(_StandIn())
     yield
     TORCH_CALLER.reset(token)
 
@@ -177,7 +185,7 @@ def test_a_numpy_programs_call_leaves_blas_alone(two_blas_threads):
 
 @pytest.mark.parametrize("caller", ["numpy", "torch"])
 def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller):
-    token = TORCH_CALLER.set(_stand_in_gemm if caller == "torch" else None)
+    token = TORCH_CALLER.set(_StandIn() if caller == "torch" else None)
     try:
         case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2)
         out, handle = fusedrnn.RNN(**case, **kw, train=True)

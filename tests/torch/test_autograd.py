@@ -191,8 +191,8 @@ def test_torch_path_checks_its_arguments():
 
 def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
     """The forward and the backward reach the op with config.TORCH_CALLER holding torch's
-    GEMM (the CPU backend runs its GEMMs there and keeps numpy's BLAS off torch's cores),
-    and it is unset afterwards."""
+    operations (the CPU backend runs its GEMMs there and keeps numpy's BLAS off torch's
+    cores), and it is unset afterwards."""
     from fusedrnn import op
     from fusedrnn.config import TORCH_CALLER
     from fusedrnn.torch import autograd
@@ -204,16 +204,15 @@ def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
     rnn = ft.GRU(4, 5)
     out, _ = rnn(torch.randn(3, 2, 4))
     out.sum().backward()
-    assert [(name, gemm) for name, gemm in seen] == [("RNN", autograd._torch_gemm),
-                                                      ("rnn_backward", autograd._torch_gemm)]
+    assert seen == [("RNN", autograd.TORCH_HOST), ("rnn_backward", autograd.TORCH_HOST)]
     assert TORCH_CALLER.get() is None
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_torch_gemm_computes_into_numpy_views(dtype, transpose_a):
-    """The GEMM a torch program's call hands the CPU backend (autograd._torch_gemm): a
-    column slice of a wider matrix as a (the op's dG of one direction), into a
+    """The GEMM a torch program's call hands the CPU backend (autograd.TorchHost.matmul):
+    a column slice of a wider matrix as a (the op's dG of one direction), into a
     NaN-poisoned row slice of a bigger output, against float64."""
     from fusedrnn.torch import autograd
     rng = np.random.default_rng(5)
@@ -223,11 +222,21 @@ def test_torch_gemm_computes_into_numpy_views(dtype, transpose_a):
     b = rng.standard_normal((K, C)).astype(dtype)
     big = np.full((M + 3, C), np.nan, dtype)
     out = big[1:M + 1]
-    assert autograd._torch_gemm(a, b, out, transpose_a) is out
+    assert autograd.TORCH_HOST.matmul(a, b, out, transpose_a) is out
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= (2e-6 if dtype == np.float32 else 1e-13) * \
         np.max(np.abs(want))
     assert np.isnan(big[0]).all() and np.isnan(big[M + 1:]).all()
+
+
+def test_torch_transpose_copies_a_strided_view():
+    """TorchHost.transpose: a column slice of a wider matrix into a contiguous a^T."""
+    from fusedrnn.torch import autograd
+    wide = np.random.default_rng(6).standard_normal((33, 40)).astype(np.float32)
+    a = wide[:, 7:]
+    out = np.full((33, 33), np.nan, np.float32)
+    assert autograd.TORCH_HOST.transpose(a, out) is out
+    assert np.array_equal(out, a.T)
 
 
 def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch):
@@ -236,8 +245,9 @@ def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch):
     the gradients still equal torch.nn's."""
     from fusedrnn.torch import autograd
     calls = []
-    real = autograd._torch_gemm
-    monkeypatch.setattr(autograd, "_torch_gemm", lambda *a: calls.append(a[3]) or real(*a))
+    real = autograd.TorchHost.matmul
+    monkeypatch.setattr(autograd.TorchHost, "matmul",
+                        staticmethod(lambda *a: calls.append(a[3]) or real(*a)))
     torch.manual_seed(0)
     ref = torch.nn.LSTM(6, 7, num_layers=2, bidirectional=True).double()
     mine = ft.LSTM(6, 7, num_layers=2, bidirectional=True).double()
