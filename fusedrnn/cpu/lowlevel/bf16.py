@@ -34,7 +34,7 @@ from numba.core import codegen as numba_codegen
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-from .microkernel import PANEL, _groups, _function, tile_height
+from .microkernel import PANEL, _function, emit_tiled_product
 
 __all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16"]
 
@@ -109,36 +109,13 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group):
 
 
 def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels):
-    """Every row over npanels panels: panels in balanced groups, rows in balanced tiles,
-    each tile its own noinline function (as microkernel._emit_gemm)."""
-    intp = a.type
-    const = functools.partial(ir.Constant, intp)
-    fn = builder.function
-    first = 0
-    for group in _groups(npanels, 4):
-        most = tile_height(np.float32, group)
-        tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
-        done = cgutils.alloca_once_value(builder, const(0))
-        group_panel = builder.add(panel, builder.mul(builder.mul(const(first), pstride), const(4)))
-        group_c = builder.add(c, const(first * PANEL * 4))
-        with cgutils.for_range(builder, tiles) as loop:
-            r = builder.load(done)
-            height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
-            a_r = builder.add(a, builder.mul(builder.mul(r, lda), const(4)))
-            c_r = builder.add(group_c, builder.mul(builder.mul(r, ldc), const(4)))
-            after = fn.append_basic_block()
-            switch = builder.switch(height, after)
-            for h in range(1, most + 1):
-                case = fn.append_basic_block()
-                switch.add_case(const(h), case)
-                with builder.goto_block(case):
-                    tile = _function(builder.module, f"fusedrnn_tile{h}x{group}_bf16", intp, 7,
-                                     functools.partial(_emit_tile, rows=h, group=group))
-                    builder.call(tile, [a_r, lda, group_panel, pstride, c_r, ldc, kp])
-                    builder.branch(after)
-            builder.position_at_end(after)
-            builder.store(builder.add(r, height), done)
-        first += group
+    """microkernel.emit_tiled_product over the bfloat16 tiles: the float32 tiles' shapes
+    (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C)."""
+    def tile(h, group):
+        return _function(builder.module, f"fusedrnn_tile{h}x{group}_bf16", a.type, 7,
+                         functools.partial(_emit_tile, rows=h, group=group))
+    emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, kp, npanels=npanels,
+                       dtype=np.float32, itemsize=4, transposed=False, tile=tile)
 
 
 @intrinsic

@@ -250,15 +250,16 @@ def _function(module, name, intp, nargs, emit):
     return fn
 
 
-def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, transposed,
-               single, itemsize):
+def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
+                       itemsize, transposed, tile):
     """The whole product over `rows` rows and `npanels` panels: the panels in balanced
-    groups, each group's rows in balanced tiles (20 rows: 4 x 5, not 6+6+6+2: a thin tail
-    tile does a fraction of a full one's FMAs per panel load), each tile a call of its
-    own function, picked by a switch on its height."""
+    groups (panels_per_tile(dtype)), each group's rows in balanced tiles (20 rows: 4 x 5,
+    not 6+6+6+2: a thin tail tile does a fraction of a full one's FMAs per panel load),
+    each tile a call of its own function tile(height, group), picked by a switch on its
+    height. `itemsize` is the byte size of A's, the panels' and C's elements (bf16.py's
+    uint32 pairs too). Shared by this file's kernels and bf16.py's."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
-    dtype = np.float32 if single else np.float64
     fn = builder.function
     first = 0
     for group in _groups(npanels, panels_per_tile(dtype)):
@@ -282,17 +283,25 @@ def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, tra
                 case = fn.append_basic_block()
                 switch.add_case(const(h), case)
                 with builder.goto_block(case):
-                    tile = _function(
-                        builder.module,
-                        f"fusedrnn_tile{h}x{group}{'t' if transposed else ''}_"
-                        f"{'f32' if single else 'f64'}_{VECTOR_BITS}", intp, 7,
-                        functools.partial(_emit_tile, rows=h, group=group,
-                                          transposed=transposed, single=single))
-                    builder.call(tile, [a_r, lda, group_panel, pstride, c_r, ldc, k])
+                    builder.call(tile(h, group), [a_r, lda, group_panel, pstride, c_r, ldc, k])
                     builder.branch(after)
             builder.position_at_end(after)
             builder.store(builder.add(r, height), done)
         first += group
+
+
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, transposed,
+               single, itemsize):
+    """emit_tiled_product over this file's float tiles (_emit_tile)."""
+    def tile(h, group):
+        return _function(builder.module,
+                         f"fusedrnn_tile{h}x{group}{'t' if transposed else ''}_"
+                         f"{'f32' if single else 'f64'}_{VECTOR_BITS}", a.type, 7,
+                         functools.partial(_emit_tile, rows=h, group=group,
+                                           transposed=transposed, single=single))
+    emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, npanels=npanels,
+                       dtype=np.float32 if single else np.float64, itemsize=itemsize,
+                       transposed=transposed, tile=tile)
 
 
 def _gemm_intrinsic(transposed):
