@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["CellSpec", "CELLS", "MODES", "modes_with", "RNNConfig", "check_config",
-           "CallOptions", "CLIP", "CLIP_NAN"]
+           "CallOptions", "CLIP", "CLIP_NAN", "Precision", "PRECISIONS"]
 
 CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
 
@@ -170,6 +170,28 @@ def check_config(mode, input_size, state_size, num_layers, bidirectional, projec
                      num_layers=_positive_int("num_layers", num_layers),
                      bidirectional=_bool("bidirectional", bidirectional),
                      projection_size=projection_size)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One data dtype the op takes. Arrays in and out (data, parameters, states, outputs,
+    gradients) are in `name`; the recurrence runs in `compute` (scratch, the training
+    reserve, every product's accumulation and the cell math)."""
+    name: str
+    compute: str
+    unit_roundoff: float   # u: half the gap between 1 and the next value (2^-p)
+
+
+# float16 and bfloat16 run in float32: their arrays are converted at the op's edges
+# (recurrence.RecurrentOp says where, and where float32 copies are kept). A numpy
+# bfloat16 array is ml_dtypes.bfloat16's (the dtype JAX uses); its name is matched, so
+# fusedrnn itself never needs ml_dtypes.
+PRECISIONS = {p.name: p for p in (
+    Precision("float32", "float32", 2.0 ** -24),
+    Precision("float64", "float64", 2.0 ** -53),
+    Precision("float16", "float32", 2.0 ** -11),
+    Precision("bfloat16", "float32", 2.0 ** -8),
+)}
 
 
 @dataclass(frozen=True)

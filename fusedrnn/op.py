@@ -62,7 +62,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                       lstm_state_clip_nan=lstm_state_clip_nan,
                       use_sequence_length=use_sequence_length, train=train, seed=seed)
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
-           call.dtype.str)
+           call.dtype.name)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call)
     with backend.device_context(call.data):
         reserve = op.take_reserve() if train else None

@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .config import PRECISIONS
 from .layout import ParamLayout
 
 PREV = (0, 1)   # row offset of h_{t-1} (in processing order) for direction 0 / 1
@@ -112,6 +113,10 @@ class RecurrentOp:
 
     def __init__(self, backend, config, seq_len, batch, dtype):
         self.backend, self.config, self.xp = backend, config, backend.xp
+        # dtype: the data's; self.dtype: the one everything inside runs in (config.PRECISIONS).
+        self.io_dtype = dtype
+        self.converts = PRECISIONS[dtype.name].compute != dtype.name
+        dtype = np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
         layer = backend.fused_layer(config, dtype, batch)
@@ -153,11 +158,11 @@ class RecurrentOp:
             "saved": (L, D, T, N, cfg.cell.saved * H),
             "ys": (L - 1, T, N, D * R),    # inputs of layers 1..L-1 (after dropout)
         })
-        reserve.nbytes, reserve.masks = nbytes, []
+        reserve.nbytes, reserve.masks, reserve.inputs = nbytes, [], None
         return reserve
 
     def give_back_reserve(self, reserve):
-        reserve.masks = []
+        reserve.masks, reserve.inputs = [], None
         if len(self._reserve_pool) < self.RESERVE_POOL:
             self._reserve_pool.append(reserve)
             self.nbytes += reserve.nbytes
@@ -207,14 +212,32 @@ class RecurrentOp:
         return [(rng.random(shape, dtype=self.dtype) >= opts.dropout).astype(self.dtype) * scale
                 for _ in range(cfg.num_layers - 1)]
 
+    # -- half precision at the edges ---------------------------------------------------
+    # float16 and bfloat16 arrays (config.PRECISIONS) are converted to float32 as they
+    # enter, and the results back (rounded to nearest even) as they leave; between the two
+    # every value is float32. A training forward keeps its float32 copies of data,
+    # parameters and states in the reserve (reserve.inputs) for its backward, beside the
+    # float32 record; outputs and gradients leave in the data's dtype.
+    def _inward(self, *arrays):
+        return tuple(None if a is None else a.astype(self.dtype) for a in arrays)
+
+    def _outward(self, *arrays):
+        return tuple(None if a is None else a.astype(self.io_dtype) for a in arrays)
+
     # -- forward ----------------------------------------------------------------------
     def forward(self, data, params, h0, c0, opts, reserve=None):
         """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
         records what backward needs into it."""
+        if self.converts:
+            data, params, h0, c0 = self._inward(data, params, h0, c0)
+            if reserve is not None:
+                reserve.inputs = (data, params, h0, c0)
         if self._forward_blas is None:
-            return self._forward(data, params, h0, c0, opts, reserve)
-        with self._forward_blas:
-            return self._forward(data, params, h0, c0, opts, reserve)
+            outputs = self._forward(data, params, h0, c0, opts, reserve)
+        else:
+            with self._forward_blas:
+                outputs = self._forward(data, params, h0, c0, opts, reserve)
+        return self._outward(*outputs) if self.converts else outputs
 
     def _forward(self, data, params, h0, c0, opts, reserve):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
@@ -272,8 +295,12 @@ class RecurrentOp:
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         """Gradients (data, parameters, state, state_cell) of sum(out*dout) + sum(hy*dhy)
         + sum(cy*dcy); any head gradient may be None (zero)."""
+        if self.converts:
+            data, params, h0, c0 = reserve.inputs
+            dout, dhy, dcy = self._inward(dout, dhy, dcy)
         with self.blas:
-            return self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
+            grads = self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
+        return self._outward(*grads) if self.converts else grads
 
     def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N

@@ -6,14 +6,13 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-import numpy as np
-
-from .config import CLIP, CLIP_NAN, CallOptions, RNNConfig, _bool, check_config, modes_with
+from .config import (CLIP, CLIP_NAN, PRECISIONS, CallOptions, RNNConfig, _bool, check_config,
+                     modes_with)
 from .layout import expected_size
 
 __all__ = ["check_call", "CheckedCall"]
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+DTYPE_NAMES = " or ".join((", ".join(list(PRECISIONS)[:-1]), list(PRECISIONS)[-1]))
 
 
 @dataclass
@@ -38,6 +37,10 @@ class CheckedCall:
     def dtype(self):
         return self.data.dtype
 
+    @property
+    def precision(self):
+        return PRECISIONS[self.data.dtype.name]
+
 
 def _array(name, value, ndim, backend, like=None):
     """`value` checked against the backend (and, unless it is data, against data's
@@ -52,8 +55,10 @@ def _array(name, value, ndim, backend, like=None):
     if value.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {value.shape}")
     if dtype is None:
-        if value.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected dtype float32 or float64, got {value.dtype}")
+        # By name: numpy's bfloat16 is ml_dtypes' (config.PRECISIONS), kind "V" like
+        # any 2-byte void, so the name is what tells it apart.
+        if value.dtype.name not in PRECISIONS:
+            raise TypeError(f"{name}: expected dtype {DTYPE_NAMES}, got {value.dtype}")
     elif value.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype} (data's dtype), got {value.dtype}")
     # Strided and negative-stride inputs are read through one contiguous copy.

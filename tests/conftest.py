@@ -24,7 +24,8 @@ def _poisoned_numpy():
     """numpy, except that every array from empty() starts as NaN."""
     def empty(shape, dtype=float, **kwargs):
         a = np.empty(shape, dtype=dtype, **kwargs)
-        a.fill(np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).min)
+        floating = a.dtype.kind == "f" or a.dtype.name == "bfloat16"   # (ml_dtypes': kind V)
+        a.fill(np.nan if floating else np.iinfo(a.dtype).min)
         return a
     members = {k: getattr(np, k) for k in dir(np) if not k.startswith("__")}
     return types.SimpleNamespace(**dict(members, empty=empty))

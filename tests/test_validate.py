@@ -18,7 +18,8 @@ def call(**changes):
 
 BAD = [
     (dict(data=CASE["data"][0]), ValueError, r"data: expected 3 dimensions, got shape \(3, 5\)"),
-    (dict(data=CASE["data"].astype(np.int64)), TypeError, "data: expected dtype float32 or float64"),
+    (dict(data=CASE["data"].astype(np.int64)), TypeError,
+     "data: expected dtype float32, float64, float16 or bfloat16"),
     (dict(data=CASE["data"].astype(np.complex128)), TypeError, "data: expected dtype float32"),
     (dict(data=CASE["data"].tolist()), TypeError, "data: expected a numpy.ndarray or a cupy.ndarray.*list"),
     (dict(data=CASE["data"][:0]), ValueError, r"data: .*T, N, I >= 1, got \(0, 3, 5\)"),
@@ -48,9 +49,12 @@ BAD = [
     (dict(data=CASE["data"][:, :, :0]), ValueError, r"data: .*got \(4, 3, 0\)"),
     (dict(data=CASE["data"][None]), ValueError, "data: expected 3 dimensions, got shape"),
     (dict(data=np.float64(1.0)), TypeError, "data: expected a numpy.ndarray"),
-    (dict(data=CASE["data"].astype(np.float16)), TypeError, "data: expected dtype float32 or "
-     "float64, got float16"),
-    (dict(data=CASE["data"] > 0), TypeError, "data: expected dtype float32 or float64, got bool"),
+    (dict(data=CASE["data"].astype(np.float16)), TypeError, r"parameters: expected dtype "
+     r"float16 \(data's dtype\), got float64"),
+    (dict(data=CASE["data"].astype(np.int16)), TypeError, "data: expected dtype float32, "
+     "float64, float16 or bfloat16, got int16"),
+    (dict(data=CASE["data"] > 0), TypeError, "data: expected dtype float32, float64, float16 "
+     "or bfloat16, got bool"),
     (dict(parameters=CASE["parameters"].astype(np.int64)), TypeError, "parameters: expected dtype"),
     (dict(parameters=list(CASE["parameters"])), TypeError, "parameters: expected a numpy.ndarray"),
     (dict(state_size=2 ** 40), ValueError, r"parameters: expected \d+ elements"),  # no allocation
@@ -143,7 +147,10 @@ def test_dropout_is_ignored_in_inference_and_for_one_layer():
 def test_torch_tensors_are_checked_like_arrays():
     import torch
     tensors = {k: torch.from_numpy(v) for k, v in CASE.items()}
-    with pytest.raises(TypeError, match="data: expected dtype float32 or float64, got float16"):
+    with pytest.raises(TypeError, match="data: expected dtype float32, float64, float16 or "
+                                        "bfloat16, got int32"):
+        call(**dict(tensors, data=tensors["data"].int()))
+    with pytest.raises(TypeError, match=r"parameters: expected dtype float16 \(data's dtype\)"):
         call(**dict(tensors, data=tensors["data"].half()))
     with pytest.raises(TypeError, match="parameters: expected a torch.Tensor like data, got numpy"):
         call(**dict(tensors, parameters=CASE["parameters"]))

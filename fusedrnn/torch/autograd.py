@@ -15,6 +15,23 @@ from ..config import CELLS, TORCH_CALLER
 __all__ = ["rnn", "to_array", "to_tensor"]
 
 
+def _ml_dtypes():
+    """ml_dtypes (numpy's bfloat16), or None where it is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes
+
+
+def _arrays_hold(dtype, device):
+    """Whether the device's array library has `dtype`: CuPy has no bfloat16, numpy has it
+    through ml_dtypes (DLPack carries neither: the crossing goes by 16-bit integer views)."""
+    if dtype != torch.bfloat16:
+        return True
+    return device.type == "cpu" and _ml_dtypes() is not None
+
+
 def to_array(tensor):
     """The numpy (CPU) or CuPy (CUDA) view of a tensor's memory; no copy when contiguous."""
     tensor = tensor.detach()
@@ -25,11 +42,17 @@ def to_array(tensor):
         return cupy.from_dlpack(tensor)
     if tensor.device.type != "cpu":
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
+    if tensor.dtype == torch.bfloat16:
+        return np.from_dlpack(tensor.view(torch.int16)).view(_ml_dtypes().bfloat16)
     return np.from_dlpack(tensor)
 
 
 def to_tensor(array):
-    return None if array is None else torch.from_dlpack(array)
+    if array is None:
+        return None
+    if array.dtype.name == "bfloat16":   # numpy's (ml_dtypes), no DLPack code
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(array)
 
 
 class TorchHost:
@@ -62,7 +85,8 @@ def _from_torch(tensor):
     keeps numpy's BLAS off torch's cores)."""
     token = TORCH_CALLER.set(TORCH_HOST)
     try:
-        with _same_stream(tensor):
+        # The op's own torch GEMMs (TorchHost) run in its float32, whatever autocast says.
+        with _same_stream(tensor), torch.autocast(tensor.device.type, enabled=False):
             yield
     finally:
         TORCH_CALLER.reset(token)
@@ -144,6 +168,17 @@ class _RNNFunction(torch.autograd.Function):
                 to_tensor(grads.state_cell) if ctx.has_cell else None, None, None)
 
 
+def _autocast(*tensors):
+    """Under torch.autocast for data's device, the float32 tensors in autocast's dtype (as
+    torch.nn's RNNs run there); float64 is left alone, as autocast does."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t
+                 for t in tensors)
+
+
 def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         state_outputs=False, train=None, **kwargs):
     """fusedrnn.RNN for torch tensors, differentiable with torch.autograd.
@@ -161,6 +196,16 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):
         raise TypeError(f"train: expected a bool or None, got {type(train).__name__} {train!r}")
+    data, parameters, state, state_cell = _autocast(data, parameters, state, state_cell)
+    if not _arrays_hold(data.dtype, data.device):
+        # bfloat16 the arrays cannot hold (on CUDA; on CPU without ml_dtypes): the same
+        # float32 computation, with torch's casts (differentiable) on either side.
+        with torch.autocast(data.device.type, enabled=False):
+            outs = rnn(*(t if t is None or not t.is_floating_point() else t.float()
+                         for t in (data, parameters, state, state_cell, sequence_length)),
+                       state_outputs=True, train=train, **kwargs)
+        outs = tuple(t.to(data.dtype) for t in outs)
+        return outs if state_outputs else outs[0]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (data, parameters, state, state_cell))
     train = needs_grad if train is None else train

@@ -81,6 +81,32 @@ def test_cuda_lstm_features_equal_cpu_backend(harness, D, options, projection):
         assert rel_err(a, b) <= 1e-12
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-step", "persistent"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode, dtype,
+                                                                   persistent):
+    """float16 (CuPy's) and bfloat16 (what the torch layer hands CuPy as float32, here as
+    ml_dtypes arrays to reach the same recurrence) run the GPU backend's float32 kernels
+    between the op's conversions: the CPU backend's results to one unit in the last
+    place of the half dtype (the float32 results differ by ~1e-7 and may round apart)."""
+    import ml_dtypes
+    from fusedrnn.gpu.persistent import DeviceLimits
+    half = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
+    case, kw, heads = make_case(mode, T=5, N=3, I=4, H=5, L=2, D=2, seed=6)
+    case = {k: None if v is None else v.astype(half) for k, v in case.items()}
+    heads = {k: None if v is None else v.astype(half) for k, v in heads.items()}
+    backend = HostCudaBackend(harness, DeviceLimits(4, 1 << 20) if persistent else None)
+    got = _run(backend, case, kw, heads, half)
+    want = _run(CPU, case, kw, heads, half)
+    ulp = 2.0 ** (-10 if dtype == "float16" else -7)
+    for a, b in zip(got, want):
+        assert a.dtype == half
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.all(np.abs(a - b) <= ulp * np.maximum(np.abs(b), 2.0 ** -14))
+    assert not persistent or backend.launches
+
+
 def test_grid_size():
     assert kernels.grid_size(1) == 1
     assert kernels.grid_size(256) == 1

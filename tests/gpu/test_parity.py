@@ -190,6 +190,26 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
     assert rel_err(cupy.asnumpy(first[0]), ref_out) <= 1e-12
 
 
+@pytest.mark.parametrize("path", ["0", "1"], ids=["per-step", "persistent"])
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
+    """CuPy float16: the op's conversions around the float32 kernels, as on the CPU, to
+    one unit in float16's last place (the float32 values inside differ by ~1e-7)."""
+    from fusedrnn.gpu import persistent
+    monkeypatch.setenv(persistent.ENV, path)
+    case, kw, heads = make_case(mode, T=7, N=5, I=6, H=16, L=2, D=2, seed=5)
+    case = {k: None if v is None else v.astype(np.float16) for k, v in case.items()}
+    heads = {k: None if v is None else v.astype(np.float16) for k, v in heads.items()}
+    cpu_outs, cpu_grads = _run(case, kw, heads)
+    gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
+    for a, b in zip([*gpu_outs, *gpu_grads], [*cpu_outs, *cpu_grads]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == np.float16
+            a, b = cupy.asnumpy(a).astype(np.float64), b.astype(np.float64)
+            assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(b), 2.0 ** -14))
+
+
 # ---- the persistent kernels (fusedrnn/gpu/persistent.cuh), selected explicitly ----
 
 @pytest.fixture

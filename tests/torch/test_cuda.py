@@ -36,3 +36,41 @@ def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
     grad = ours.layout.from_torch_state_dict({k: p.grad for k, p in theirs.named_parameters()})
     torch.testing.assert_close(ours.weight.grad.cpu(), torch.from_numpy(grad), rtol=1e-10,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype):
+    """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts: CuPy has no
+    bfloat16) on CUDA: outputs and gradients as the same module on the CPU, to one unit in
+    the last place of the dtype (the float32 values inside differ by ~1e-7)."""
+    torch.manual_seed(0)
+    name = CELLS[mode].torch_class
+    cpu = getattr(ft, name)(5, 16, num_layers=2, bidirectional=True).to(dtype)
+    gpu = getattr(ft, name)(5, 16, num_layers=2, bidirectional=True).to(dtype).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(6, 3, 5).to(dtype)
+    outs = []
+    for module, inp in ((cpu, x), (gpu, x.cuda())):
+        out = module(inp)[0]
+        out.float().square().sum().backward()
+        outs.append((out.cpu(), module.weight.grad.cpu()))
+    ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    for a, b in zip(outs[1], outs[0]):
+        assert a.dtype == dtype
+        a, b = a.double(), b.double()
+        assert ((a - b).abs() <= ulp * b.abs().clamp(min=2.0 ** -14)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_autocast_runs_in_its_dtype_like_torch_nn(dtype):
+    torch.manual_seed(0)
+    theirs = torch.nn.LSTM(5, 16).cuda()
+    ours = ft.LSTM(5, 16).cuda()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(6, 3, 5, device="cuda")
+    with torch.autocast("cuda", dtype):
+        out_theirs = theirs(x)[0]
+        out = ours(x)[0]
+    assert out.dtype == out_theirs.dtype == dtype
+    torch.testing.assert_close(out.float(), out_theirs.float(), rtol=0, atol=4 * 2.0 ** -8)

@@ -1,0 +1,246 @@
+"""Half precision (float16, and bfloat16 as ml_dtypes' numpy dtype): every mode, layer
+count, direction and feature against the float64 reference run on the same rounded
+inputs, within a stated bound, and the bound shown to catch planted bugs.
+
+The bound (`bound` below), from the error analysis of one output y (scale: max |y_ref|):
+- y leaves the op rounded to the data's dtype: at most u * scale (u: unit roundoff,
+  2^-8 bfloat16, 2^-11 float16; config.PRECISIONS).
+- A kernel that holds states and layer inputs in the data's dtype between steps (as
+  cuDNN does, and as fusedrnn's half kernels may) injects at most u |h| per step. The
+  cells contract (|sigma'|, |tanh'| <= 1 and weights ~ U(+-1/sqrt(H)) give a per-step
+  gain below 1), so injected errors decay instead of adding up: the total stays O(u),
+  not O(u T). Emulated in the reference (`_emulate`, "rounded states"): 0.4-1.0 u at
+  T = 5..300, H = 16..256, one and two layers.
+- Products of length K (K = I, or H, or D*R) accumulated in float32: about
+  sqrt(K) 2^-24 relative, random-signed; this is where H enters.
+So bound = scale * (2 u + 16 sqrt(K) 2^-24), the same for every T. It is tight enough to
+catch a wrong gate (order 1) and a product accumulated in the data's dtype instead of
+float32 (6-13 u at K = 256, emulated the same way); tests below show both fail it.
+Gradients are held to the same bound, against fusedrnn's float64 backward (itself checked
+against central differences in test_op/test_features) on the same rounded inputs (with
+dropout its float32 backward: `check` says why).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fusedrnn
+import reference
+from conftest import CELLS, MODES, make_case
+from reference import rnn_reference
+from test_features import dropout_masks, proj_case, ref_args
+
+HALF = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+GRADS = ("data", "parameters", "state", "state_cell")
+
+
+def u_of(dtype):
+    return fusedrnn.config.PRECISIONS[np.dtype(dtype).name].unit_roundoff
+
+
+def bound(dtype, scale, K):
+    """The module docstring's bound on max |y - y_ref| for one output."""
+    return scale * (2 * u_of(dtype) + 16 * np.sqrt(K) * 2.0 ** -24)
+
+
+def rounded(case, dtype):
+    """Every array of `case` in `dtype` (the op's inputs) and, as float64, the same
+    rounded values (the reference's inputs)."""
+    half = {k: None if v is None else np.asarray(v).astype(dtype) for k, v in case.items()}
+    exact = {k: None if v is None else v.astype(np.float64) for k, v in half.items()}
+    return half, exact
+
+
+def longest_product(kw, I):
+    D = 2 if kw.get("bidirectional") else 1
+    R = kw.get("projection_size") or kw["state_size"]
+    return max(I, kw["state_size"], D * R)
+
+
+def assert_within(actual, expected, dtype, K, what):
+    assert actual.dtype == dtype, (what, actual.dtype)
+    expected = np.asarray(expected, np.float64)
+    err = np.max(np.abs(actual.astype(np.float64) - expected))
+    limit = bound(dtype, np.max(np.abs(expected)), K)
+    assert err <= limit, f"{what}: max error {err:.3g} > bound {limit:.3g} " \
+                         f"({err / (np.max(np.abs(expected)) * u_of(dtype)):.2f} u)"
+
+
+def check(case, kw, dtype, heads=None, feats=None, masks=None, train_kw=None):
+    """Forward (and, with heads, backward) of the op in `dtype` against float64."""
+    feats = feats or {}
+    half, exact = rounded(case, dtype)
+    K = longest_product(kw, case["data"].shape[2])
+    ref = rnn_reference(**exact, **kw, **ref_args(feats), dropout_masks=masks)
+    result = fusedrnn.RNN(**half, **kw, **feats, state_outputs=True, **(train_kw or {}))
+    names = ("out", "hy", "cy")
+    for name, got, want in zip(names, result, ref):
+        if want is not None:
+            assert_within(got, want, dtype, K, name)
+    if heads is None:
+        return
+    half_heads, exact_heads = rounded(heads, dtype)
+    if not CELLS[kw["mode"]].has_cell_state:
+        half_heads["dcy"] = exact_heads["dcy"] = None
+    grads = fusedrnn.rnn_backward(result[-1], **half_heads)
+    # With dropout the reference backward runs in float32, whose generator draws the
+    # same masks as the half op's (float64's draws others); float32's own error (~1e-6)
+    # is far below the bound.
+    ref_dtype = np.float32 if (train_kw or {}).get("p") else np.float64
+    ref_in = {k: None if v is None else v.astype(ref_dtype) for k, v in exact.items()}
+    ref_heads = {k: None if v is None else v.astype(ref_dtype) for k, v in exact_heads.items()}
+    *_, handle = fusedrnn.RNN(**ref_in, **kw, **feats, state_outputs=True,
+                              **dict(train_kw or {}, train=True))
+    want = fusedrnn.rnn_backward(handle, **ref_heads)
+    for name in GRADS:
+        if getattr(want, name) is not None:
+            assert_within(getattr(grads, name), getattr(want, name), dtype, K, "d" + name)
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("L,D", [(1, 1), (2, 2)])
+def test_forward_and_backward_against_float64(dtype, mode, L, D):
+    case, kw, heads = make_case(mode, T=7, N=3, I=5, H=20, L=L, D=D, seed=11)
+    check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("mode", MODES)
+def test_longer_and_wider(dtype, mode):
+    """T=60, H=96: the bound does not grow with T (module docstring)."""
+    case, kw, _ = make_case(mode, T=60, N=4, I=40, H=96, seed=3)
+    check(case, kw, HALF[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("T", [1, 2])
+def test_single_steps(dtype, T):
+    """T=1 runs the single-step kernels."""
+    for mode in MODES:
+        case, kw, heads = make_case(mode, T=T, N=5, I=9, H=33, seed=T)
+        check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+def test_features_together(dtype):
+    """Lengths, projection, clipping and dropout in one call, forward and backward."""
+    T, N, L, D, P, p, seed = 6, 4, 2, 2, 3, 0.3, 5
+    case, kw, heads = proj_case(T=T, N=N, I=4, H=7, P=P, L=L, D=D, seed=9)
+    feats = dict(sequence_length=np.array([6, 2, 4, 1]), use_sequence_length=True,
+                 lstm_state_clip_min=-0.4, lstm_state_clip_max=0.5)
+    # The masks are drawn in the compute dtype, float32 (config.PRECISIONS).
+    masks = dropout_masks(seed, p, T, N, D, P, L, np.float32)
+    check(case, kw, HALF[dtype], heads, feats=feats, masks=masks,
+          train_kw=dict(train=True, p=p, seed=seed))
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("mode", MODES)
+def test_lengths(dtype, mode):
+    case, kw, heads = make_case(mode, T=5, N=3, I=4, H=18, L=1, D=2, seed=4)
+    feats = dict(sequence_length=np.array([5, 1, 3]), use_sequence_length=True)
+    check(case, kw, HALF[dtype], heads, feats=feats, train_kw=dict(train=True))
+
+
+def test_outputs_and_gradients_keep_the_dtype_and_a_second_backward_agrees():
+    dtype = HALF["bfloat16"]
+    case, kw, heads = make_case("lstm", T=4, N=2, I=3, H=16, seed=1)
+    half, _ = rounded(case, dtype)
+    out, hy, cy, handle = fusedrnn.RNN(**half, **kw, state_outputs=True, train=True)
+    assert (out.dtype, hy.dtype, cy.dtype) == (dtype,) * 3
+    dout = heads["dout"].astype(dtype)
+    first = fusedrnn.rnn_backward(handle, dout, retain=True)
+    second = fusedrnn.rnn_backward(handle, dout)
+    for name in GRADS:
+        assert getattr(first, name).dtype == dtype
+        assert np.array_equal(getattr(first, name).view(np.uint16),
+                              getattr(second, name).view(np.uint16))
+
+
+def test_float16_and_bfloat16_of_one_shape_get_their_own_ops():
+    """The op cache keys on the dtype's name: bfloat16's str ('<V2') is any 2-byte void's."""
+    case, kw, _ = make_case("gru", T=3, N=2, I=4, H=16, seed=2)
+    results = {}
+    for name in ("bfloat16", "float16", "bfloat16"):
+        half, exact = rounded(case, HALF[name])
+        out = fusedrnn.RNN(**half, **kw)
+        assert out.dtype == HALF[name]
+        assert_within(out, rnn_reference(**exact, **kw)[0], HALF[name], 16, name)
+        results.setdefault(name, []).append(out.view(np.uint16))
+    assert np.array_equal(*results["bfloat16"])
+
+
+@pytest.mark.parametrize("other", ["float32", "float16", "bfloat16"])
+def test_mixed_dtypes_are_refused(other):
+    data = np.zeros((2, 1, 3), HALF["float16"] if other != "float16" else HALF["bfloat16"])
+    size = fusedrnn.param_size(mode="gru", input_size=3, state_size=4)
+    params = np.zeros(size, np.dtype(ml_dtypes.bfloat16) if other == "bfloat16" else other)
+    with pytest.raises(TypeError, match=f"parameters: expected dtype {data.dtype} "
+                                        f"\\(data's dtype\\), got {other}"):
+        fusedrnn.RNN(data, params, mode="gru", state_size=4, num_layers=1)
+
+
+def test_other_two_byte_dtypes_are_refused():
+    data = np.zeros((2, 1, 3), np.int16)
+    with pytest.raises(TypeError, match="data: expected dtype float32, float64, float16 or "
+                                        "bfloat16, got int16"):
+        fusedrnn.RNN(data, np.zeros(60, np.int16), mode="gru", state_size=4, num_layers=1)
+
+
+# ---- the bound catches planted bugs ------------------------------------------------------
+
+class _Accumulating:
+    """A matrix whose `@` sums its products in `dtype`, rounding after every addition:
+    a kernel missing its float32 accumulation."""
+
+    def __init__(self, w, dtype):
+        self.w, self.dtype, self.shape = w, dtype, w.shape
+
+    def __matmul__(self, v):
+        total = np.zeros(self.w.shape[0])
+        for k in range(self.w.shape[1]):
+            total = (total + self.w[:, k] * v[k]).astype(self.dtype).astype(np.float64)
+        return total
+
+
+def _emulate(monkeypatch, variant, dtype):
+    """The reference's cell made into a half kernel's: "rounded states" holds h and x in
+    `dtype` between steps (allowed), "half sums" accumulates products in `dtype`, "wrong
+    gate" swaps LSTM's input and forget gates (bugs)."""
+    cell = reference.cell
+
+    def patched(mode, x, h, c, wx, wh, bx, bh, clip=None):
+        if variant == "rounded states":
+            x, h = (v.astype(dtype).astype(np.float64) for v in (x, h))
+        elif variant == "half sums":
+            wx, wh = _Accumulating(wx, dtype), _Accumulating(wh, dtype)
+        elif variant == "wrong gate":
+            H = wh.shape[0] // 4
+            order = np.r_[H:2 * H, 0:H, 2 * H:4 * H]
+            wx, wh, bx, bh = wx[order], wh[order], bx[order], bh[order]
+        return cell(mode, x, h, c, wx, wh, bx, bh, clip)
+
+    monkeypatch.setattr(reference, "cell", patched)
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("variant,caught", [("rounded states", False), ("half sums", True),
+                                            ("wrong gate", True)])
+def test_the_bound_admits_rounded_states_and_catches_planted_bugs(monkeypatch, dtype, variant,
+                                                                  caught):
+    dtype = HALF[dtype]
+    case, kw, _ = make_case("lstm", T=4, N=2, I=256, H=256, seed=8)
+    _, exact = rounded(case, dtype)
+    expected = rnn_reference(**exact, **kw)[0]
+    _emulate(monkeypatch, variant, dtype)
+    emulated = rnn_reference(**exact, **kw)[0].astype(dtype)
+    if caught:
+        with pytest.raises(AssertionError, match="max error"):
+            assert_within(emulated, expected, dtype, 256, variant)
+    else:
+        assert_within(emulated, expected, dtype, 256, variant)
+    # and the op itself is within it at the same size
+    half, _ = rounded(case, dtype)
+    monkeypatch.undo()
+    assert_within(fusedrnn.RNN(**half, **kw), expected, dtype, 256, "op")
