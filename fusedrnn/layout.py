@@ -123,7 +123,10 @@ def expected_size(cfg) -> int:
 
 def _to_numpy(value) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor, on any device
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":   # numpy has none: float32 holds it exactly
+            value = value.float()
+        value = value.numpy()
     return np.asarray(value)
 
 

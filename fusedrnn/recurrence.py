@@ -67,6 +67,8 @@ class FusedLayer(Protocol):
 
     projects_input: bool      # True: it also implements InputProjection (its own W_x GEMM)
     fuses_single_step: bool   # True: it also implements SingleStep (used at T=1)
+    reads_storage: bool       # True: project() also takes layer 0's input in the data's
+                              # own dtype (half precision), read in place
 
     def forward_scratch(self, config, steps, batch) -> dict:
         """{name: shape} of scratch in the data's dtype, carved once per op; forward and
@@ -119,9 +121,13 @@ class RecurrentOp:
         dtype = np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
-        layer = backend.fused_layer(config, dtype, batch)
+        layer = backend.fused_layer(config, dtype, batch,
+                                    storage=self.io_dtype.name if self.converts else None)
         self.driver = FusedDriver(self, layer) if layer is not None else \
             StepDriver(self, *backend.cell_kernels(config.mode, dtype))
+        # An inference forward hands such a layer the data as it came, unconverted.
+        self._data_in_place = (layer is not None and layer.reads_storage and
+                               layer.projects_input and not self.driver.single)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
@@ -131,6 +137,7 @@ class RecurrentOp:
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
             "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
             "ys": (min(L - 1, 2), T, N, D * R),
+            **self._edge_buffers(),
             "empty": (0, 0),
             **self.driver.forward_scratch(),
         })
@@ -157,6 +164,7 @@ class RecurrentOp:
             "hraw": (L, D, T, N, H if cfg.projection_size else 0),
             "saved": (L, D, T, N, cfg.cell.saved * H),
             "ys": (L - 1, T, N, D * R),    # inputs of layers 1..L-1 (after dropout)
+            **{k: v for k, v in self._edge_buffers().items() if k != "out32"},
         })
         reserve.nbytes, reserve.masks, reserve.inputs = nbytes, [], None
         return reserve
@@ -215,35 +223,53 @@ class RecurrentOp:
     # -- half precision at the edges ---------------------------------------------------
     # float16 and bfloat16 arrays (config.PRECISIONS) are converted to float32 as they
     # enter, and the results back (rounded to nearest even) as they leave; between the two
-    # every value is float32. A training forward keeps its float32 copies of data,
-    # parameters and states in the reserve (reserve.inputs) for its backward, beside the
-    # float32 record; outputs and gradients leave in the data's dtype.
+    # every value is float32, except where a backend's fused layer reads the data as it
+    # came (FusedLayer.reads_storage). The float32 copies of data and parameters, and the
+    # output before its rounding, live in the op's scratch (x32, p32, out32: reused, so no
+    # call pays fresh pages for them); a training forward keeps its copies in the reserve
+    # (x32, p32, and reserve.inputs) for its backward, beside the float32 record.
+    # Outputs and gradients leave in the data's dtype.
+    def _edge_buffers(self):
+        T, N, cfg = self.T, self.N, self.config
+        on = self.converts
+        return {"x32": (T if on else 0, N, cfg.input_size),
+                "p32": (self.layout.size if on else 0,),
+                "out32": (T if on else 0, N, cfg.directions * cfg.recurrent_size)}
+
     def _inward(self, *arrays):
-        return tuple(None if a is None else a.astype(self.dtype) for a in arrays)
+        return tuple(None if a is None else self.backend.astype(a, self.dtype) for a in arrays)
 
     def _outward(self, *arrays):
-        return tuple(None if a is None else a.astype(self.io_dtype) for a in arrays)
+        return tuple(None if a is None else self.backend.astype(a, self.io_dtype)
+                     for a in arrays)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, data, params, h0, c0, opts, reserve=None):
         """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
         records what backward needs into it."""
+        out = None
         if self.converts:
-            data, params, h0, c0 = self._inward(data, params, h0, c0)
+            keep, convert = (reserve or self.scratch), self.backend.astype
+            if not (self._data_in_place and reserve is None):
+                data = convert(data, self.dtype, keep.x32)
+            params = convert(params, self.dtype, keep.p32)
+            h0, c0 = self._inward(h0, c0)
             if reserve is not None:
                 reserve.inputs = (data, params, h0, c0)
+            out = self.scratch.out32
         if self._forward_blas is None:
-            outputs = self._forward(data, params, h0, c0, opts, reserve)
+            outputs = self._forward(data, params, h0, c0, opts, reserve, out)
         else:
             with self._forward_blas:
-                outputs = self._forward(data, params, h0, c0, opts, reserve)
+                outputs = self._forward(data, params, h0, c0, opts, reserve, out)
         return self._outward(*outputs) if self.converts else outputs
 
-    def _forward(self, data, params, h0, c0, opts, reserve):
+    def _forward(self, data, params, h0, c0, opts, reserve, out=None):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         lstm, training = cfg.cell.has_cell_state, reserve is not None
-        out = xp.empty((T, N, D * R), dtype=self.dtype)
+        if out is None:
+            out = xp.empty((T, N, D * R), dtype=self.dtype)
         hy = xp.empty((L * D, N, R), dtype=self.dtype)
         cy = xp.empty((L * D, N, H), dtype=self.dtype) if lstm else None
         masks = self._length_masks(opts)

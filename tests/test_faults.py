@@ -34,14 +34,15 @@ def fault(monkeypatch):
             kernel(*args)
         return launch
 
-    def wrapped_fused(config, dtype, batch):
-        layer = real_fused(config, dtype, batch)
+    def wrapped_fused(config, dtype, batch, storage=None):
+        layer = real_fused(config, dtype, batch, storage)
         if layer is None:
             return None
         return SimpleNamespace(forward_scratch=layer.forward_scratch,
                                backward_scratch=layer.backward_scratch, project=layer.project,
                                projects_input=layer.projects_input,
                                fuses_single_step=layer.fuses_single_step,
+                               reads_storage=layer.reads_storage,
                                forward=wrap(layer.forward),
                                forward_single=wrap(layer.forward_single),
                                backward=wrap(layer.backward))

@@ -38,7 +38,7 @@ _CELL_FORWARD = ("                            for u in range(lanes):      # the 
                  "                                h, c, s0")
 _CELL_BACKWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
                   "                            dx0, dx1")
-_GEMM = ("                    if not single_step:\n"
+_GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
 _SAMPLES = ("                        for n in range(N):\n"
             "                            # Addresses of this sample's rows (all arrays C-contiguous).\n"
@@ -48,7 +48,7 @@ CUTS = {
     "forward": {
         "base": [],
         "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
-        "no_gemm": [(_GEMM, _GEMM.replace("if not single_step:", "if False:"))],
+        "no_gemm": [(_GEMM, _GEMM.replace("elif not single_step:", "elif False:"))],
         "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
     },
     "backward": {

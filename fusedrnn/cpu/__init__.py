@@ -11,7 +11,7 @@ from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numb
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
 from .cells import cell_kernels
 from .fused import fused_layer, own_gemm
-from .lowlevel import CHUNK, PANEL, pack_recurrent_rows, project
+from .lowlevel import CHUNK, HAS_BF16, PANEL, narrow, pack_recurrent_rows, project, widen
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -52,12 +52,14 @@ class CpuBackend:
         return cell_kernels(mode, dtype)
 
     @staticmethod
-    def fused_layer(config, dtype, batch):
+    def fused_layer(config, dtype, batch, storage=None):
         """The whole-layer fused loop (fused.py) where it applies: every cell without
-        a projection, any batch. None sends the driver down the generic per-step path."""
+        a projection, any batch. None sends the driver down the generic per-step path.
+        storage: the data's dtype name where it differs from dtype (config.PRECISIONS);
+        bfloat16 takes the layer's vdpbf16ps products where the CPU has AVX512-BF16."""
         if config.projection_size:
             return None
-        return fused_layer(config.mode, dtype)
+        return fused_layer(config.mode, dtype, bf16=storage == "bfloat16" and HAS_BF16)
 
     @staticmethod
     def blas_scope(config, seq_len, batch):
@@ -95,6 +97,28 @@ class CpuBackend:
             return _own_product(host.transpose(a, np.empty((M, K), out.dtype)),
                                 np.ascontiguousarray(b), out)
         return host.matmul(a, b, out, transpose_a)
+
+    @staticmethod
+    def astype(array, dtype, out=None):
+        """array converted to dtype, into `out` (of array's shape) or a new array: the op's
+        half-precision edges. bfloat16 <-> float32 run on Numba's threads
+        (lowlevel.widen/narrow: ml_dtypes' own casts are single-threaded loops, 2-4x
+        slower); the rest is numpy's."""
+        dtype = np.dtype(dtype)
+        pair = (array.dtype.name, dtype.name)
+        if out is None:
+            out = np.empty(array.shape, dtype)
+        elif not out.flags.c_contiguous:   # (a reshaped copy would drop the result)
+            raise ValueError(f"astype: out must be C-contiguous, got strides {out.strides}")
+        if pair not in (("bfloat16", "float32"), ("float32", "bfloat16")):
+            out[...] = array
+            return out
+        src = np.ascontiguousarray(array).reshape(-1)
+        if pair[0] == "bfloat16":
+            widen(src.view(np.uint16), out.reshape(-1))
+        else:
+            narrow(src, out.reshape(-1).view(np.uint16))
+        return out
 
     @staticmethod
     def is_array(value):

@@ -49,9 +49,11 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .lowlevel import (CHUNK, PANEL, VECTOR_BITS, claim, finish, new_counters, pack_input_weights,
-                       pack_panel, pack_recurrent, pack_recurrent_rows, panel_gemm,
-                       panel_gemm_t, panels, project, row_add, row_add3, row_copy, zero_like)
+from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, bf16_bits, claim, finish,
+                       new_counters, pack_input_pairs, pack_input_weights, pack_panel,
+                       pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
+                       panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
+                       round_rows, row_add, row_add3, row_copy, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -86,10 +88,12 @@ def _columns(*groups):
     return tuple(np.uint64(group * PANEL) for group in groups)
 
 
-def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=True):
+def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=True,
+                        bf16=False):
     """layer_forward (module docstring), or with single_step its T=1 form, which takes
     the layer input and the raw weights (FusedLayer.forward_single says why). Without
-    `parallel`, plain serial code (FusedLayer._serial says when)."""
+    `parallel`, plain serial code (FusedLayer._serial says when). With `bf16` (T > 1
+    only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs."""
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
@@ -108,8 +112,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     per = 2 if gates == 1 and not single_step else 1
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters,
-                      workers):
+                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, h16, wpairs,
+                      counters, workers):
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
@@ -121,10 +125,11 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
         like = zero_like(hs)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
+        kp = wpairs.shape[2]                                # bf16: pairs of h per row
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
         # the loop serially (measured: every fused call 2.5x slower). Guarded by
         # tests/cpu/test_parallel_regions.py.
-        blocks = tiles.shape[0] if single_step else wpack.shape[0]
+        blocks = tiles.shape[0] if single_step else (wpairs if bf16 else wpack).shape[0]
         pair = 2 if per == 2 and N >= PAIR_ROWS else 1
         claims = -(-blocks // pair)   # work items: blocks, or pairs of one-gate blocks
         if single_step:   # x and h_0 as columns, 16 samples per panel (serial: small)
@@ -145,7 +150,24 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         break
                     done += 1
                     first = q * pair
-                    if not single_step:
+                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)
+                        h16_prev = h16.ctypes.data + (d * (T + 1) + prev) * N * kp * 4
+                        if pair == 2 and first + 1 < blocks:
+                            panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
+                                            kp * PANEL, 2,
+                                            tiles[first].ctypes.data + _R * PANEL * itemsize,
+                                            row, kp)
+                            for n in range(N):
+                                row_copy(tiles[first + 1].ctypes.data +
+                                         (n * row + _R * PANEL) * itemsize,
+                                         tiles[first].ctypes.data +
+                                         (n * row + (_R + 1) * PANEL) * itemsize, PANEL, like)
+                        else:
+                            panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
+                                            kp * PANEL, gates,
+                                            tiles[first].ctypes.data + _R * PANEL * itemsize,
+                                            row, kp)
+                    elif not single_step:
                         if pair == 2 and first + 1 < blocks:
                             # Two one-gate blocks in one product (note above
                             # _make_layer_forward), the second's panel into its own tile.
@@ -196,6 +218,9 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             y_row = y.ctypes.data + (sample * y.shape[2] + y_col + j0) * itemsize
                             if not (all_active or t < lengths[n]):   # past its end: carry, y=0
                                 row_copy(h_next, h_prev, width, like)
+                                if bf16:
+                                    for u in range(width):
+                                        h16[d, nxt, n, j0 + u] = h16[d, prev, n, j0 + u]
                                 if has_c:
                                     row_copy(c_next, c_prev, width, like)
                                 for u in range(width):
@@ -228,6 +253,10 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 tile[n, s_out[3] + u] = s3
                             h_new = trow + _H * PANEL * itemsize      # scatter
                             row_copy(h_next, h_new, width, like)
+                            if bf16:   # h_t rounded, for the next step's product
+                                for u in range(width):
+                                    h16[d, nxt, n, j0 + u] = np.uint16(
+                                        bf16_bits(tile[n, h_out + u]))
                             row_copy(y_row, h_new, width, like)
                             if has_c:
                                 row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
@@ -390,23 +419,34 @@ class FusedLayer:
 
     fuses_single_step = True   # forward_single() serves T=1
 
-    def __init__(self, mode, dtype):
+    def __init__(self, mode, dtype, bf16=False):
         spec = CELLS[mode]
         self.gates, self.dtype = spec.gates, np.dtype(dtype)
+        # bfloat16 data on a CPU with AVX512-BF16 (float32 inside, config.PRECISIONS):
+        # for T > 1 the input projection and the recurrent product run on vdpbf16ps,
+        # from bfloat16 values (the layer input, h_{t-1} rounded as it is written, the
+        # weights, all exact bfloat16 or rounded to it) with float32 sums; the cell math,
+        # states and record stay float32. Layer 0's bfloat16 data is read in place.
+        # Design-size LSTM: projection 60-64 -> 32-34 ms, loop 72-77 -> 44-48 ms.
+        # Measured: bench/results/cpu-kernel-notes.md#bf16-the-fused-forward-in-bfloat16-issue-25
+        self.bf16 = self.reads_storage = bf16
         # project() replaces the driver's BLAS input GEMM in float32 (lowlevel/gemm.py
         # says why), and in float64 where the tiles are 512 bits wide; with 256-bit tiles
         # numpy's dgemm was faster.
         # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
         self.projects_input = own_gemm(self.dtype)
-        self._forward, self._forward_single = (
-            _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, single)
-            for single in (False, True))
+        self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
+                                            self.dtype, False, bf16=bf16)
+        self._forward_single = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
+                                                   self.dtype, True)
         self._forward_single_serial = _make_layer_forward(
             MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, True, parallel=False)
         self._no_weights = np.empty((0, 0), self.dtype)        # unused inputs of either form
         self._no_panels = np.empty((0, 0, 0), self.dtype)
         self._no_xproj = np.empty((0, 0, 0), self.dtype)
         self._no_wpack = np.empty((0, 0, 0, 0), self.dtype)
+        self._no_h16 = np.empty((0, 0, 0, 0), np.uint16)
+        self._no_pairs = np.empty((0, 0, 0, 0), np.uint32)
         self._backward, self._backward_serial = (
             _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel)
             for parallel in (True, False))
@@ -423,7 +463,13 @@ class FusedLayer:
         single = steps == 1 and self.fuses_single_step   # the driver's rule
         projects = self.projects_input and not single
         columns = -(-batch // PANEL)
-        return {"wpack": (0 if single else panels(H), config.cell.gates, H, PANEL),
+        pairs = self.bf16 and not single   # float32-sized, viewed as uint16/uint32 pairs
+        kp_h, kp_x = -(-H // 2), -(-max_in // 2)
+        return {"wpack": (0 if single or pairs else panels(H), config.cell.gates, H, PANEL),
+                "wpairs": (panels(H) if pairs else 0, config.cell.gates, kp_h, PANEL),
+                "h16": (D if pairs else 0, steps + 1, batch, kp_h),
+                "x16": (steps * batch if pairs else 0, kp_x),
+                "wx_pairs": (panels(D * GH) * kp_x * PANEL if pairs else 0,),
                 # padded to whole 16-sample panels: forward_single stores 16 rows at once
                 "tiles": (panels(H), columns * PANEL if single else batch,
                           TILE_GROUPS * PANEL),
@@ -439,8 +485,24 @@ class FusedLayer:
 
     def project(self, x2d, w_xs, out, scratch):
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
-        (lowlevel/gemm.py says why not numpy's); scratch.wx_panels and .spill as carved."""
+        (lowlevel/gemm.py says why not numpy's); scratch.wx_panels and .spill as carved.
+        With bf16, x2d may be the bfloat16 data itself (read in place where K is even)
+        or float32 (rounded into scratch.x16 first)."""
         K = x2d.shape[1]
+        if self.bf16:
+            kp = -(-K // 2)
+            if x2d.dtype.name == "bfloat16" and K % 2 == 0:
+                a = np.ascontiguousarray(x2d).view(np.uint32)
+            else:
+                a16 = scratch.x16.reshape(-1)[:x2d.shape[0] * kp].view(np.uint16).reshape(
+                    x2d.shape[0], 2 * kp)
+                round_rows(x2d.astype(np.float32, copy=False), a16)
+                a = a16.view(np.uint32)
+            wpairs = scratch.wx_pairs[:panels(out.shape[1]) * kp * PANEL].view(
+                np.uint32).reshape(-1, kp, PANEL)
+            pack_input_pairs(w_xs, wpairs)
+            project_bf16(a, wpairs, out, scratch.spill)
+            return
         wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
         pack_input_weights(w_xs, wpack)
         project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
@@ -449,19 +511,29 @@ class FusedLayer:
                 clip_lo, clip_hi, clip_flags):
         """layer_forward (module docstring) for direction d, W_h (G*H, H) packed first
         into scratch.wpack; scratch.tiles as carved for T > 1."""
-        wpack, tiles = scratch.wpack, scratch.tiles
+        wpack, tiles = (scratch.wpairs if self.bf16 else scratch.wpack), scratch.tiles
         if wpack.shape[0] != tiles.shape[0] or wpack.shape[0] != panels(hs.shape[3]):
             raise ValueError(f"FusedLayer.forward: wpack {wpack.shape} and tiles "
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
-        pack_recurrent(w_h, self.gates, wpack)
+        h16, wpairs = self._no_h16, self._no_pairs
+        if self.bf16:
+            wpairs = pack_recurrent_pairs(w_h, self.gates, wpack.view(np.uint32))
+            h16 = scratch.h16.view(np.uint16)   # (D, T+1, N, 2*kp)
+            first = 0 if d == 0 else hs.shape[1] - 1
+            round_rows(hs[d, first], h16[d, first])
+            if h16.shape[3] != hs.shape[3]:   # odd H: the pad of every row multiplies 0
+                h16[d, :, :, hs.shape[3]:] = 0
+            wpack = self._no_wpack
+        else:
+            pack_recurrent(w_h, self.gates, wpack)
         scalar = self.dtype.type
-        share = _workshare(hs.shape[1] - 1, wpack.shape[0])
+        share = _workshare(hs.shape[1] - 1, tiles.shape[0])
         with LAUNCH_LOCK:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
                           self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels, *share)
+                          self._no_panels, h16, wpairs, *share)
 
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                        clip_lo, clip_hi, clip_flags):
@@ -487,7 +559,7 @@ class FusedLayer:
                    scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
                    np.ascontiguousarray(w_x), np.ascontiguousarray(w_h),
                    scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
-                   h_cols, *share)
+                   h_cols, self._no_h16, self._no_pairs, *share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
@@ -530,12 +602,15 @@ def own_gemm(dtype):
     return np.dtype(dtype) == np.float32 or VECTOR_BITS == 512
 
 
-def fused_layer(mode, dtype):
-    """The FusedLayer for (mode, dtype), built once per process (compiled code is cached
-    on disk by Numba)."""
-    key = (mode, np.dtype(dtype).str)
+def fused_layer(mode, dtype, bf16=False):
+    """The FusedLayer for (mode, dtype, bf16), built once per process (compiled code is
+    cached on disk by Numba). bf16 needs AVX512-BF16 (lowlevel.HAS_BF16)."""
+    key = (mode, np.dtype(dtype).str, bool(bf16))
     with _lock:
         layer = _layers.get(key)
         if layer is None:
-            layer = _layers[key] = FusedLayer(mode, dtype)
+            if bf16 and not HAS_BF16:
+                raise NotImplementedError("fused_layer: bf16 needs AVX512-BF16, which this "
+                                          "CPU lacks")
+            layer = _layers[key] = FusedLayer(mode, dtype, bf16)
     return layer

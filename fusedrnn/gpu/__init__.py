@@ -24,7 +24,7 @@ class GpuBackend:
     def cell_kernels(self, mode, dtype):
         return cupy_cell_kernels(self.xp, mode, dtype)
 
-    def fused_layer(self, config, dtype, batch):
+    def fused_layer(self, config, dtype, batch, storage=None):
         """The persistent kernels where they fit on chip (persistent.py: the rule;
         FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the per-step path."""
         return cupy_persistent_layer(self.xp, config, dtype, batch)
@@ -37,6 +37,14 @@ class GpuBackend:
     def matmul(self, a, b, out, transpose_a=False):
         """out = a @ b, or a^T @ b, by cuBLAS."""
         return self.xp.matmul(a.T if transpose_a else a, b, out=out)
+
+    def astype(self, array, dtype, out=None):
+        """array converted to dtype, into `out` or a new array: the op's half-precision
+        edges."""
+        if out is None:
+            return array.astype(dtype)
+        self.xp.copyto(out, array, casting="unsafe")
+        return out
 
     def is_array(self, value):
         return isinstance(value, self.xp.ndarray)

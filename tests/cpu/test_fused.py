@@ -9,6 +9,8 @@
     other direction is read or written.
 (c) The T=1 form (FusedLayer.forward_single) as (a) and (b): through the op against the
     generic path, and called directly on poisoned buffers against the reference cell.
+(d) bfloat16 data: which layer it takes, and that the vdpbf16ps layer really holds h in
+    bfloat16 (its accuracy: tests/test_precision.py).
 """
 from types import SimpleNamespace
 
@@ -43,12 +45,12 @@ def fused_and_generic(monkeypatch, case, kw, heads=None, **options):
     on a freshly built op; checks the first really went through FusedLayer."""
     original, built = CpuBackend.fused_layer, []
 
-    def spy(config, dtype, batch):
-        built.append(original(config, dtype, batch))
+    def spy(config, dtype, batch, storage=None):
+        built.append(original(config, dtype, batch, storage))
         return built[-1]
 
     results = []
-    for choose in (spy, lambda config, dtype, batch: None):
+    for choose in (spy, lambda config, dtype, batch, storage=None: None):
         monkeypatch.setattr(CpuBackend, "fused_layer", staticmethod(choose))
         fusedrnn.clear_cache()
         if heads is None:   # forward only
@@ -349,3 +351,42 @@ def test_small_single_steps_take_the_serial_builds(monkeypatch, T, N, H, serial)
     forward = "_forward" if T > 1 else "_forward_single" + ("_serial" if serial[0] else "")
     backward = "_backward" + ("_serial" if serial[1] else "")
     assert launched == [forward, forward, backward], launched   # inference, training
+
+
+# ---- (d) bfloat16 data ---------------------------------------------------------------------
+
+def _bf16_op(mode, T, N=3, I=6, H=20):
+    import ml_dtypes
+    from fusedrnn.recurrence import RecurrentOp
+    cfg = RNNConfig(mode=mode, input_size=I, state_size=H, num_layers=1, bidirectional=True,
+                    projection_size=None)
+    return RecurrentOp(CpuBackend(), cfg, T, N, np.dtype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_takes_the_vdpbf16ps_layer_where_the_cpu_has_it(mode):
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    op = _bf16_op(mode, T=6)
+    assert op.dtype == np.float32 and op.converts
+    assert op.driver.layer.bf16 is HAS_BF16 and op._data_in_place is HAS_BF16
+    single = _bf16_op(mode, T=1)   # the T=1 form runs in float32 between the conversions
+    assert single.driver.single and not single._data_in_place
+
+
+def test_the_bf16_layer_rounds_h_for_its_products():
+    """Where it runs, the bfloat16 layer's output differs from float32's rounded (it
+    multiplies h_{t-1} rounded to bfloat16) and its own training forward, which reads the
+    data's float32 copy, agrees with its inference forward bit for bit."""
+    import ml_dtypes
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    if not HAS_BF16:
+        pytest.skip("the CPU has no AVX512-BF16")
+    case, kw, _ = make_case("lstm", T=30, N=4, I=8, H=32, seed=2)
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items()}
+    out = fusedrnn.RNN(**half, **kw)
+    out_train, handle = fusedrnn.RNN(**half, **kw, train=True)
+    handle.release()
+    assert np.array_equal(out.view(np.uint16), out_train.view(np.uint16))
+    as_float32 = fusedrnn.RNN(**{k: v.astype(np.float32) for k, v in half.items()}, **kw)
+    assert not np.array_equal(out.view(np.uint16),
+                              as_float32.astype(ml_dtypes.bfloat16).view(np.uint16))

@@ -68,6 +68,7 @@ class HostCudaBackend:
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
     blas_scope = staticmethod(CPU.blas_scope)
+    astype = staticmethod(CPU.astype)
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1):
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
@@ -78,7 +79,7 @@ class HostCudaBackend:
         """As the GPU backend's (cuBLAS there, numpy here)."""
         return self.xp.matmul(a.T if transpose_a else a, b, out=out)
 
-    def fused_layer(self, config, dtype, batch):
+    def fused_layer(self, config, dtype, batch, storage=None):
         if self.limits is None or config.projection_size:
             return None
         plan = persistent.persistent_plan(config.cell.gates, config.state_size, batch,

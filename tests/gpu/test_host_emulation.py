@@ -88,8 +88,10 @@ def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode
                                                                    persistent):
     """float16 (CuPy's) and bfloat16 (what the torch layer hands CuPy as float32, here as
     ml_dtypes arrays to reach the same recurrence) run the GPU backend's float32 kernels
-    between the op's conversions: the CPU backend's results to one unit in the last
-    place of the half dtype (the float32 results differ by ~1e-7 and may round apart)."""
+    between the op's conversions. float16: the CPU backend's results to one unit in the
+    last place (the float32 results differ by ~1e-7 and may round apart). bfloat16: the
+    CPU's products hold h in bfloat16 where it has AVX512-BF16, so the two agree to
+    test_precision's bound (each is within it of float64)."""
     import ml_dtypes
     from fusedrnn.gpu.persistent import DeviceLimits
     half = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
@@ -99,11 +101,13 @@ def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode
     backend = HostCudaBackend(harness, DeviceLimits(4, 1 << 20) if persistent else None)
     got = _run(backend, case, kw, heads, half)
     want = _run(CPU, case, kw, heads, half)
-    ulp = 2.0 ** (-10 if dtype == "float16" else -7)
     for a, b in zip(got, want):
         assert a.dtype == half
         a, b = a.astype(np.float64), b.astype(np.float64)
-        assert np.all(np.abs(a - b) <= ulp * np.maximum(np.abs(b), 2.0 ** -14))
+        if dtype == "float16":
+            assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(b), 2.0 ** -14))
+        else:
+            assert np.max(np.abs(a - b)) <= 2 * 2 * 2.0 ** -8 * np.max(np.abs(b))
     assert not persistent or backend.launches
 
 

@@ -1,0 +1,209 @@
+"""The bfloat16 path's products around the vdpbf16ps tile (bf16.py): its packers, the
+input projection, and the float32 -> bfloat16 rounding the fused loop's states take.
+
+Layouts are bf16.py's: A as rows of bfloat16 pairs (uint32), k counted in pairs
+(kp = ceil(K / 2), an odd K padded with a zero); panels (kp, 16) uint32, pair p of
+column j holding B[2p, j] (low half) and B[2p+1, j] (high half).
+
+bf16_bits(x)                  (inline) float32 -> bfloat16 bits (uint32, low 16 bits),
+                              rounded to nearest even; a NaN stays a NaN
+round_rows(src, dst)
+    src  (M, K) float32       in
+    dst  (M, 2*kp) uint16     out  src rounded to bfloat16, a zero in the odd-K pad
+pack_recurrent_pairs(w_h, gates, out)
+    w_h  (G*H, K) float32     in   values already bfloat16 (the op's float32 copies of
+                                   bfloat16 parameters): the packing is exact
+    out  (B, G, kp, 16) uint32 out panel [b, g]: gate g's units 16b..16b+15 as columns
+                                   of W_h^T (pack_recurrent's order), zero past H and K
+pack_input_pairs(ws, out)
+    ws   sequence of (G*H, K) float32, each direction's W_x
+    out  (P, kp, 16) uint32   out  panel p: rows 16p..16p+15 of the concatenated ws as
+                                   columns (pack_input_weights's order), zero past the end
+widen(src, dst) / narrow(src, dst)
+    src, dst  flat (contiguous 1-D) arrays of one length: bfloat16 bits (uint16) <->
+              float32, exactly / rounded to nearest even: the op's conversions at its
+              edges (ml_dtypes' astype took 23 / 11 ms for 4.8M values, these 1-3 ms)
+project_bf16(a, wpack, c, spill)
+    a     (M, kp) uint32      in   bfloat16 pairs of the layer input's rows
+    wpack (P, kp, 16) uint32  in   pack_input_pairs's
+    c     (M, C) float32      out  a @ W^T; every element written
+    spill (ceil(M/CHUNK), CHUNK, 16) float32  scratch for a partial last panel
+No argument overlaps another.
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import prange
+
+from ..threads import LAUNCH_LOCK, parallel_and_serial
+from .bf16 import panel_gemm_bf16
+from .gemm import CHUNK, QUAD, SERIAL_WORK
+from .microkernel import PANEL
+from .packing import SERIAL_ELEMENTS
+
+__all__ = ["bf16_bits", "narrow", "pack_input_pairs", "pack_recurrent_pairs", "project_bf16",
+           "round_rows", "widen"]
+
+
+@nb.njit(inline="always", cache=True)
+def bf16_bits(x):
+    bits = np.uint32(np.float32(x).view(np.uint32))
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):   # NaN: keep it quiet
+        return (bits >> np.uint32(16)) | np.uint32(0x40)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (bits + rounding) >> np.uint32(16)
+
+
+def _round_rows(src, dst):
+    M, K = src.shape
+    for i in prange(M):
+        for k in range(K):
+            dst[i, k] = np.uint16(bf16_bits(src[i, k]))
+        for k in range(K, dst.shape[1]):
+            dst[i, k] = 0
+
+
+_round_rows, _round_rows_serial = parallel_and_serial(_round_rows)
+
+
+def round_rows(src, dst):
+    """dst (M, 2*kp) uint16 = src (M, K) float32 rounded to bfloat16 (docstring above)."""
+    with LAUNCH_LOCK:
+        (_round_rows_serial if src.size <= SERIAL_ELEMENTS else _round_rows)(src, dst)
+    return dst
+
+
+_FLAT_CHUNK = 1 << 14   # values per work item of widen/narrow
+
+
+def _widen(src, dst):
+    for c in prange(-(-src.shape[0] // _FLAT_CHUNK)):
+        for i in range(c * _FLAT_CHUNK, min(src.shape[0], (c + 1) * _FLAT_CHUNK)):
+            dst[i] = np.uint32(src[i]) << np.uint32(16)
+
+
+def _narrow(src, dst):
+    for c in prange(-(-src.shape[0] // _FLAT_CHUNK)):
+        for i in range(c * _FLAT_CHUNK, min(src.shape[0], (c + 1) * _FLAT_CHUNK)):
+            dst[i] = np.uint16(bf16_bits(src[i]))
+
+
+_widen, _widen_serial = parallel_and_serial(_widen)
+_narrow, _narrow_serial = parallel_and_serial(_narrow)
+
+
+def widen(src, dst):
+    """dst (float32) = src (bfloat16 bits, uint16), both flat (docstring above)."""
+    with LAUNCH_LOCK:
+        (_widen_serial if src.size <= SERIAL_ELEMENTS else _widen)(src, dst.view(np.uint32))
+    return dst
+
+
+def narrow(src, dst):
+    """dst (bfloat16 bits, uint16) = src (float32) rounded, both flat (docstring above)."""
+    with LAUNCH_LOCK:
+        (_narrow_serial if src.size <= SERIAL_ELEMENTS else _narrow)(src, dst)
+    return dst
+
+
+@nb.njit(inline="always", cache=True)
+def _pair(w, r, k, K):
+    low = bf16_bits(w[r, k])
+    high = bf16_bits(w[r, k + 1]) if k + 1 < K else np.uint32(0)
+    return low | (high << np.uint32(16))
+
+
+def _pack_recurrent_pairs(w, gates, out):
+    H, K = w.shape[0] // gates, w.shape[1]
+    for b in prange(out.shape[0]):
+        for g in range(gates):
+            for p in range(out.shape[2]):
+                for u in range(PANEL):
+                    j = b * PANEL + u
+                    out[b, g, p, u] = _pair(w, g * H + j, 2 * p, K) if j < H else 0
+
+
+_pack_recurrent_pairs, _pack_recurrent_pairs_serial = parallel_and_serial(_pack_recurrent_pairs)
+
+
+def pack_recurrent_pairs(w_h, gates, out):
+    """W_h (G*H, K) float32 -> (B, G, kp, 16) uint32 pairs (docstring above)."""
+    with LAUNCH_LOCK:
+        small = w_h.size <= SERIAL_ELEMENTS
+        (_pack_recurrent_pairs_serial if small else _pack_recurrent_pairs)(w_h, gates, out)
+    return out
+
+
+def _pack_pairs_at(w, row0, out):
+    rows, K = w.shape
+    first, last = row0 // PANEL, (row0 + rows - 1) // PANEL
+    for p in prange(first, last + 1):
+        for q in range(out.shape[1]):
+            for u in range(PANEL):
+                r = p * PANEL + u - row0
+                if 0 <= r < rows:
+                    out[p, q, u] = _pair(w, r, 2 * q, K)
+
+
+_pack_pairs_at, _pack_pairs_at_serial = parallel_and_serial(_pack_pairs_at)
+
+
+def pack_input_pairs(ws, out):
+    """The concatenated rows of `ws` -> out (P, kp, 16) uint32 pairs (docstring above)."""
+    total, K = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    if out.shape[0] * PANEL < total or out.shape[1] != -(-K // 2):
+        raise ValueError(f"pack_input_pairs: out {out.shape} cannot hold {total} rows "
+                         f"of length {K}")
+    with LAUNCH_LOCK:
+        if out.shape[0] * PANEL > total:
+            out[-1] = 0
+        row0 = 0
+        for w in ws:
+            (_pack_pairs_at_serial if w.size <= SERIAL_ELEMENTS else _pack_pairs_at)(
+                w, row0, out)
+            row0 += w.shape[0]
+    return out
+
+
+def _project_bf16(a, wpack, c, spill):
+    M, kp = a.shape
+    C = c.shape[1]
+    full = C // PANEL
+    panels = -(-C // PANEL)
+    chunks = (M + CHUNK - 1) // CHUNK
+    groups = min(panels, max(1, -(-8 // chunks)))   # gemm._project's split of few chunks
+    for item in prange(chunks * groups):
+        chunk, group = item // groups, item % groups
+        r0 = chunk * CHUNK
+        rows = min(CHUNK, M - r0)
+        a_rows = a.ctypes.data + r0 * kp * 4
+        c_rows = c.ctypes.data + r0 * C * 4
+        first, stop = group * panels // groups, (group + 1) * panels // groups
+        whole = min(stop, full)
+        p = first
+        while p + QUAD <= whole:
+            panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, kp * PANEL, QUAD,
+                            c_rows + p * PANEL * 4, C, kp)
+            p += QUAD
+        for p in range(p, stop):
+            if p < full:
+                panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, 0, 1,
+                                c_rows + p * PANEL * 4, C, kp)
+            else:
+                panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, 0, 1,
+                                spill[chunk].ctypes.data, PANEL, kp)
+                for i in range(rows):
+                    for u in range(C - full * PANEL):
+                        c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
+
+
+_project_bf16, _project_bf16_serial = parallel_and_serial(_project_bf16)
+
+
+def project_bf16(a, wpack, c, spill):
+    """c = a @ W^T in float32 from bfloat16 pairs (docstring above)."""
+    with LAUNCH_LOCK:
+        small = a.shape[0] * a.shape[1] * 2 * c.shape[1] <= SERIAL_WORK
+        (_project_bf16_serial if small else _project_bf16)(a, wpack, c, spill)
+    return c
