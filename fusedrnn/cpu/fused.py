@@ -83,6 +83,17 @@ TILE_GROUPS = 16
 # Measured: bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops
 
 
+@nb.njit(inline="always", cache=True)
+def _hand_over(tiles, first, N, like):
+    """After a pair's product (note above _make_layer_forward): the second block's sums,
+    left in group _R + 1 of the first block's tile, moved to group _R of its own."""
+    row, itemsize = tiles.shape[2], tiles.itemsize
+    for n in range(N):
+        row_copy(tiles[first + 1].ctypes.data + (n * row + _R * PANEL) * itemsize,
+                 tiles[first].ctypes.data + (n * row + (_R + 1) * PANEL) * itemsize, PANEL,
+                 like)
+
+
 def _columns(*groups):
     """The first tile column of each group, as unsigned constants (note above)."""
     return tuple(np.uint64(group * PANEL) for group in groups)
@@ -157,11 +168,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                             kp * PANEL, 2,
                                             tiles[first].ctypes.data + _R * PANEL * itemsize,
                                             row, kp)
-                            for n in range(N):
-                                row_copy(tiles[first + 1].ctypes.data +
-                                         (n * row + _R * PANEL) * itemsize,
-                                         tiles[first].ctypes.data +
-                                         (n * row + (_R + 1) * PANEL) * itemsize, PANEL, like)
+                            _hand_over(tiles, first, N, like)
                         else:
                             panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
                                             kp * PANEL, gates,
@@ -175,11 +182,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                        H * PANEL, 2,
                                        tiles[first].ctypes.data + _R * PANEL * itemsize, row,
                                        H, like)
-                            for n in range(N):
-                                row_copy(tiles[first + 1].ctypes.data +
-                                         (n * row + _R * PANEL) * itemsize,
-                                         tiles[first].ctypes.data +
-                                         (n * row + (_R + 1) * PANEL) * itemsize, PANEL, like)
+                            _hand_over(tiles, first, N, like)
                         else:   # all G gate panels of the block in one product
                             panel_gemm(h_prev_addr, H, N, wpack[first, 0].ctypes.data,
                                        H * PANEL, gates,

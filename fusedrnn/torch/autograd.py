@@ -163,9 +163,30 @@ class _RNNFunction(torch.autograd.Function):
             # retain: a second backward (retain_graph=True) reuses the same record and
             # dropout masks; the reserve is freed with the graph (ctx).
             grads = op.rnn_backward(handle, *heads, retain=True)
-        return (to_tensor(grads.data), to_tensor(grads.parameters),
-                to_tensor(grads.state) if ctx.has_state else None,
-                to_tensor(grads.state_cell) if ctx.has_cell else None, None, None)
+        results = (to_tensor(grads.data), to_tensor(grads.parameters),
+                   to_tensor(grads.state) if ctx.has_state else None,
+                   to_tensor(grads.state_cell) if ctx.has_cell else None)
+        if torch.is_grad_enabled() and any(g.requires_grad for g in given):
+            # create_graph=True: the gradients are not differentiable; a second backward
+            # that reaches them raises (_NoDoubleBackward) instead of seeing constants.
+            results = tuple(None if r is None else _NoDoubleBackward.apply(r, *given)
+                            for r in results)
+        return results + (None, None)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """grad, tied to the heads it came from, whose own backward raises: what a gradient of
+    the op taken with create_graph=True returns."""
+
+    @staticmethod
+    def forward(ctx, grad, *heads):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("fusedrnn: the RNN's gradients are not differentiable (no double "
+                           "backward); take them without create_graph=True, or use torch.nn "
+                           "where second derivatives are needed")
 
 
 def _autocast(*tensors):

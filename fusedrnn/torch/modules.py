@@ -2,8 +2,10 @@
 
 Same constructor and forward signature as torch.nn (input_size, hidden_size, num_layers,
 nonlinearity, bias, batch_first, dropout, bidirectional, proj_size; forward(input, hx)),
-PackedSequence input included. The parameters are one flat nn.Parameter, `weight`, in
+PackedSequence and unbatched (T, I) input included; flatten_parameters() (nothing to do)
+and all_weights (views). The parameters are one flat nn.Parameter, `weight`, in
 fusedrnn's (MXNet's) layout; load_state_dict also accepts a torch.nn module's state_dict.
+Gradients are differentiable once: a double backward raises (once_differentiable).
 """
 from __future__ import annotations
 
@@ -87,17 +89,47 @@ class _FusedRNNBase(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
+    def flatten_parameters(self):
+        """torch.nn's call before cuDNN: nothing to do, the weights are one flat vector."""
+
+    @property
+    def all_weights(self):
+        """torch.nn's list per layer and direction of [weight_ih, weight_hh, bias_ih,
+        bias_hh(, weight_hr)], here as views of `weight`."""
+        views, cfg = self.views(), self.layout.config
+        kinds = ("W_x", "W_h", "b_x", "b_h") + (("W_r",) if cfg.projection_size else ())
+        return [[views[layer, d, kind] for kind in kinds]
+                for layer in range(cfg.num_layers) for d in range(cfg.directions)]
+
     def forward(self, input, hx=None):
+        packed = isinstance(input, PackedSequence)
+        h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
+        unbatched = not packed and input.dim() == 2
+        states = [s for s in (h0, c0) if s is not None]
+        if any(s.dim() != (2 if unbatched else 3) for s in states):
+            raise ValueError(f"hx: for {'unbatched 2-D' if unbatched else 'batched 3-D'} "
+                             f"input expected {2 if unbatched else 3}-D states, got "
+                             f"{[s.dim() for s in states]}-D")
+        if not unbatched:
+            return self._forward(input, hx, self.batch_first)
+        # (T, I) and (L*D, H) states, as torch.nn takes them (batch_first does not apply):
+        # a batch of one.
+        if hx is not None:
+            hx = tuple(s.unsqueeze(1) for s in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+        out, state = self._forward(input.unsqueeze(1), hx, batch_first=False)
+        state = (tuple(s.squeeze(1) for s in state) if isinstance(state, tuple)
+                 else state.squeeze(1))
+        return out.squeeze(1), state
+
+    def _forward(self, input, hx, batch_first):
         packed = isinstance(input, PackedSequence)
         lengths = None
         if packed:
             data, lengths = pad_packed_sequence(input, batch_first=False)
         else:
-            data = input.transpose(0, 1) if self.batch_first else input
+            data = input.transpose(0, 1) if batch_first else input
         data = data.contiguous()
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
-        if h0 is not None and h0.dim() == 2:  # torch accepts unbatched states with 2-D input
-            raise ValueError("hx: expected (num_layers*directions, N, H) states")
         has_cell = CELLS[self.mode].has_cell_state
         outs = rnn(data, self.weight, h0, c0 if has_cell else None,
                    lengths if packed else None, state_outputs=True, train=self.training,
@@ -107,7 +139,7 @@ class _FusedRNNBase(nn.Module):
         out, hy = outs[0], outs[1]
         if packed:
             out = _repack(out, input)
-        elif self.batch_first:
+        elif batch_first:
             out = out.transpose(0, 1)
         return (out, (hy, outs[2])) if has_cell else (out, hy)
 

@@ -161,3 +161,76 @@ def test_wrong_state_dict_is_refused():
     ours = ft.LSTM(3, 4)
     with pytest.raises(RuntimeError, match="weight_ih_l0"):
         ours.load_state_dict(torch.nn.LSTM(5, 4).state_dict())
+
+
+# ---- torch.nn behaviours user code relies on, the same script on both classes ----------
+
+def _both(mode, **kw):
+    """{"torch.nn": module, "fusedrnn": module}, float64, the same weights."""
+    theirs, ours = pair(mode, **kw)
+    return {"torch.nn": theirs, "fusedrnn": ours}
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_unbatched_input_as_torch_nn(mode, batch_first):
+    """(T, I) input and (L*D, H) states: outputs without a batch dimension; batch_first
+    does not apply to them."""
+    mods = _both(mode, input_size=3, hidden_size=4, num_layers=2, bidirectional=True,
+                 batch_first=batch_first)
+    torch.manual_seed(2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    h = torch.randn(4, 4, dtype=torch.float64)
+    hx = (h, torch.randn(4, 4, dtype=torch.float64)) if CELLS[mode].has_cell_state else h
+    results = {name: m(x, hx) for name, m in mods.items()}
+    (o1, s1), (o2, s2) = results["torch.nn"], results["fusedrnn"]
+    assert o2.shape == o1.shape == (5, 8)
+    close(o2, o1)
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
+        assert a.shape == b.shape == (4, 4)
+        close(a, b)
+    close(mods["fusedrnn"](x)[0], mods["torch.nn"](x)[0])   # no hx
+
+
+@pytest.mark.parametrize("name", ["torch.nn", "fusedrnn"])
+def test_state_dimensions_must_match_the_input(name):
+    m = _both("gru", input_size=3, hidden_size=4)[name]
+    with pytest.raises((ValueError, RuntimeError), match="(2-D|3-D)"):
+        m(torch.randn(5, 3, dtype=torch.float64), torch.zeros(1, 1, 4, dtype=torch.float64))
+    with pytest.raises((ValueError, RuntimeError), match="(2-D|3-D)"):
+        m(torch.randn(5, 2, 3, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_flatten_parameters_and_all_weights_as_torch_nn(mode):
+    kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True)
+    if CELLS[mode].projection:
+        kw["proj_size"] = 2
+    mods = _both(mode, **kw)
+    for m in mods.values():
+        m.flatten_parameters()
+    theirs, ours = (mods[k].all_weights for k in ("torch.nn", "fusedrnn"))
+    assert len(ours) == len(theirs) == 4
+    for a_layer, b_layer in zip(ours, theirs):
+        assert len(a_layer) == len(b_layer)
+        for a, b in zip(a_layer, b_layer):
+            close(a, b)
+    # views of the flat weight: a change through one is seen by the module
+    with torch.no_grad():
+        ours[0][2].add_(1.0)
+    assert mods["fusedrnn"].views()[0, 0, "b_x"].sum().item() == pytest.approx(
+        theirs[0][2].sum().item() + theirs[0][2].numel())
+
+
+@pytest.mark.parametrize("name", ["fusedrnn"])   # torch.nn differentiates twice
+def test_double_backward_raises_instead_of_detaching(name):
+    """torch.nn's CPU LSTM differentiates twice; fusedrnn's does not, and says so when a
+    second backward reaches its gradient (a named difference), rather than treating the
+    gradient as a constant."""
+    m = _both("lstm", input_size=3, hidden_size=4)[name]
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(m(x)[0].square().sum(), x, create_graph=True)
+    plain = torch.autograd.grad(m(x)[0].square().sum(), x)[0]
+    torch.testing.assert_close(g, plain, rtol=0, atol=0)   # the values themselves are right
+    with pytest.raises(RuntimeError, match="not differentiable .no double backward"):
+        torch.autograd.grad(g.sum(), x)
