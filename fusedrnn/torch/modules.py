@@ -3,9 +3,10 @@
 Same constructor and forward signature as torch.nn (input_size, hidden_size, num_layers,
 nonlinearity, bias, batch_first, dropout, bidirectional, proj_size; forward(input, hx)),
 PackedSequence and unbatched (T, I) input included; flatten_parameters() (nothing to do)
-and all_weights (views). The parameters are one flat nn.Parameter, `weight`, in
-fusedrnn's (MXNet's) layout; load_state_dict also accepts a torch.nn module's state_dict.
-Gradients are differentiable once: a double backward raises (once_differentiable).
+and all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_l0,
+..., _reverse, weight_hr_l0), by name and order, so state_dicts load both ways; each call
+joins them into fusedrnn's flat vector (`weight`, one copy). Gradients are
+differentiable once: a second backward through them raises.
 """
 from __future__ import annotations
 
@@ -45,47 +46,63 @@ class _FusedRNNBase(nn.Module):
         self.dropout, self.bidirectional, self.proj_size = float(dropout), bidirectional, proj_size
         self.layout = ParamLayout(check_config(mode, input_size, hidden_size, num_layers,
                                                bidirectional, proj_size or None))
-        self.weight = nn.Parameter(torch.empty(self.layout.size, device=device, dtype=dtype))
+        # torch.nn's parameters, by its names and in its order (so named_parameters,
+        # optimizer groups, clipping and state_dicts see what they see on torch.nn; without
+        # bias there are none for the biases, which count as zeros).
+        cfg = self.layout.config
+        kinds = ("W_x", "W_h") + (BIAS_KINDS if bias else ()) + (
+            ("W_r",) if cfg.projection_size else ())
+        self._keys = [(layer, d, kind) for layer in range(cfg.num_layers)
+                      for d in range(cfg.directions) for kind in kinds]
+        for key in self._keys:
+            shape = self.layout.blocks[key][1]
+            self.register_parameter(self.layout.torch_name(*key), nn.Parameter(
+                torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()
-        if not bias:  # biases stay zero: their gradient is dropped
-            mask = torch.ones(self.layout.size, dtype=torch.bool)
-            for (layer, d, kind), (offset, shape) in self.layout.blocks.items():
-                if kind in BIAS_KINDS:
-                    mask[offset:offset + math.prod(shape)] = False
-            self.register_buffer("_weight_mask", mask.to(self.weight.device), persistent=False)
-            self.weight.register_hook(lambda g: g * self._weight_mask)
 
     def reset_parameters(self):
-        """torch.nn's initialisation: every weight and bias ~ U(-1/sqrt(H), 1/sqrt(H))."""
+        """torch.nn's initialisation, in its order: every weight and bias
+        ~ U(-1/sqrt(H), 1/sqrt(H)) (the same values as torch.nn's under the same seed)."""
         bound = 1.0 / math.sqrt(self.hidden_size)
         with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
-            if not self.bias:
-                self._zero_biases()
-
-    def _zero_biases(self):
-        for (layer, d, kind), (offset, shape) in self.layout.blocks.items():
-            if kind in BIAS_KINDS:
-                self.weight[offset:offset + math.prod(shape)] = 0
+            for p in self.parameters():
+                p.uniform_(-bound, bound)
 
     def views(self):
-        """Every block of `weight` as a view, keyed (layer, direction, kind)."""
-        return self.layout.views(self.weight)
+        """Every parameter keyed (layer, direction, kind) (fusedrnn.layout's names); the
+        biases of a module without bias are absent."""
+        return {key: getattr(self, self.layout.torch_name(*key)) for key in self._keys}
+
+    @property
+    def weight(self):
+        """The parameters as one flat vector in fusedrnn's (MXNet's) layout, built from
+        them (differentiable: its gradient reaches each parameter)."""
+        views = self.views()
+        first = next(iter(views.values()))
+        pieces = []
+        for key, (offset, shape) in sorted(self.layout.blocks.items(), key=lambda b: b[1][0]):
+            p = views.get(key)
+            pieces.append(p.reshape(-1) if p is not None else
+                          first.new_zeros(math.prod(shape)))
+        return torch.cat(pieces)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # A torch.nn.RNN/LSTM/GRU state_dict (weight_ih_l0, ...) becomes our flat vector.
-        torch_keys = [k for k in state_dict if k.startswith(prefix) and
-                      k[len(prefix):].split("_l")[0] in ("weight_ih", "weight_hh", "weight_hr",
-                                                         "bias_ih", "bias_hh")]
-        if torch_keys:
-            entries = {k[len(prefix):]: state_dict.pop(k) for k in torch_keys}
+        # A flat `weight` in fusedrnn's layout (a checkpoint of fusedrnn.torch before it
+        # took torch.nn's names) becomes the named parameters.
+        key = prefix + "weight"
+        if key in state_dict:
+            flat = state_dict.pop(key)
             try:
-                flat = self.layout.from_torch_state_dict(entries)
+                named = self.layout.to_torch_state_dict(
+                    flat.detach().cpu().float().numpy() if flat.dtype == torch.bfloat16
+                    else flat.detach().cpu().numpy())
             except ValueError as e:
                 error_msgs.append(str(e))
                 return
-            state_dict[prefix + "weight"] = torch.as_tensor(flat, dtype=self.weight.dtype)
+            for name, value in named.items():
+                if hasattr(self, name):
+                    state_dict[prefix + name] = torch.as_tensor(value).to(flat.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -94,12 +111,10 @@ class _FusedRNNBase(nn.Module):
 
     @property
     def all_weights(self):
-        """torch.nn's list per layer and direction of [weight_ih, weight_hh, bias_ih,
-        bias_hh(, weight_hr)], here as views of `weight`."""
+        """torch.nn's list per layer and direction of its parameters, in its order."""
         views, cfg = self.views(), self.layout.config
-        kinds = ("W_x", "W_h", "b_x", "b_h") + (("W_r",) if cfg.projection_size else ())
-        return [[views[layer, d, kind] for kind in kinds]
-                for layer in range(cfg.num_layers) for d in range(cfg.directions)]
+        return [[p for (l, d, _), p in views.items() if (l, d) == (layer, direction)]
+                for layer in range(cfg.num_layers) for direction in range(cfg.directions)]
 
     def forward(self, input, hx=None):
         packed = isinstance(input, PackedSequence)

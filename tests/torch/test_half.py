@@ -35,10 +35,8 @@ def modules(mode, dtype, **kw):
 
 
 def _torch_state(ours):
-    """ours's flat weight (in its dtype) as a float64 torch.nn state_dict."""
-    flat = ours.weight.detach().double().numpy()
-    return {k: torch.from_numpy(np.ascontiguousarray(v))
-            for k, v in ours.layout.to_torch_state_dict(flat).items()}
+    """ours's parameters (in its dtype) as a float64 torch.nn state_dict."""
+    return {k: v.double() for k, v in ours.state_dict().items()}
 
 
 @pytest.mark.parametrize("dtype", list(HALF))
@@ -58,10 +56,8 @@ def test_module_in_half_matches_torch_nn_float64(mode, dtype):
     (o_ref, g_ref), (o, g) = results
     within(o, o_ref, dtype, 32, "out")
     within(g, g_ref, dtype, 32, "input grad")
-    assert ours.weight.grad.dtype == dtype
-    want = torch.from_numpy(ours.layout.from_torch_state_dict(
-        {k: p.grad for k, p in theirs.named_parameters()}))
-    within(ours.weight.grad, want, dtype, 32, "weight grad")
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        within(p.grad, q.grad, dtype, 32, name + " grad")
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
@@ -89,8 +85,9 @@ def test_cpu_autocast_bfloat16_runs_in_bfloat16_like_torch_nn(mode):
     ref, _ = exact(x.bfloat16().double())
     within(out, ref, torch.bfloat16, 16, "out")
     out.float().sum().backward()
-    assert ours.weight.grad.dtype == torch.float32
-    assert torch.isfinite(ours.weight.grad).all() and ours.weight.grad.abs().sum() > 0
+    for p in ours.parameters():
+        assert p.grad.dtype == torch.float32
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
 def test_autocast_leaves_float64_alone():
@@ -149,16 +146,13 @@ def test_mixed_dtypes_are_refused_as_torch_nn_refuses_them():
 
 
 def test_bfloat16_state_dicts_load_both_ways():
-    """A bfloat16 torch.nn state_dict loads into a bfloat16 fusedrnn module (numpy holds
-    no bfloat16: the flat vector goes through float32, exactly) and back."""
+    """A bfloat16 torch.nn state_dict loads into a bfloat16 fusedrnn module and back."""
     torch.manual_seed(0)
     theirs = torch.nn.GRU(5, 16, num_layers=2).to(torch.bfloat16)
     ours = ft.GRU(5, 16, num_layers=2).to(torch.bfloat16)
     ours.load_state_dict(theirs.state_dict())
     back = torch.nn.GRU(5, 16, num_layers=2).to(torch.bfloat16)
-    back.load_state_dict({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in
-                          ours.layout.to_torch_state_dict(ours.weight.detach().float()
-                                                          .numpy()).items()})
+    back.load_state_dict(ours.state_dict())
     for (name, a), b in zip(theirs.named_parameters(), back.parameters()):
         assert torch.equal(a, b), name
     x = torch.randn(4, 2, 5).to(torch.bfloat16)

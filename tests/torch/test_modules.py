@@ -49,6 +49,12 @@ def weight_grads(theirs, ours):
     return ours.layout.from_torch_state_dict({k: p.grad for k, p in theirs.named_parameters()})
 
 
+def flat_grad(module):
+    """A module's parameter gradients as one flat vector in fusedrnn's layout."""
+    return torch.from_numpy(module.layout.from_torch_state_dict(
+        {k: p.grad for k, p in module.named_parameters()}))
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
@@ -67,7 +73,7 @@ def test_module_matches_torch_nn(mode, num_layers, bidirectional, batch_first):
         close(a, b)
     for a, b in zip(g2, g1):
         close(a, b)
-    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+    close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
@@ -83,7 +89,7 @@ def test_packed_sequence_input(mode, bidirectional):
     close(o2, o1)
     for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         close(a, b)
-    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+    close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
@@ -97,7 +103,7 @@ def test_lstm_projection(bidirectional):
     close(o2, o1)
     for a, b in zip(list(s2) + g2, list(s1) + g1):
         close(a, b)
-    close(ours.weight.grad, torch.from_numpy(weight_grads(theirs, ours)))
+    close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
 
 def test_bias_false_keeps_biases_zero():
@@ -105,8 +111,11 @@ def test_bias_false_keeps_biases_zero():
     (o1, _, g1), (o2, _, g2) = run_both(
         theirs, ours, lambda: torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True))
     close(o2, o1)
-    views = ours.layout.views(ours.weight.grad)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert [n for n, _ in ours.named_parameters()] == ["weight_ih_l0", "weight_hh_l0"]
+    views = ours.layout.views(ours.weight.detach())
     assert all(torch.count_nonzero(views[k]) == 0 for k in views if k[2].startswith("b_"))
+    close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
 
 def test_eval_mode_ignores_dropout_and_train_mode_applies_it():
@@ -155,6 +164,62 @@ def test_own_state_dict_round_trip():
     fresh = ft.GRU(3, 4, num_layers=2).double()
     fresh.load_state_dict(ours.state_dict())
     assert torch.equal(fresh.weight, ours.weight)
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_checkpoints_load_both_ways_with_torch_nn(mode):
+    """torch.nn's names and shapes: a fusedrnn checkpoint loads into torch.nn and back,
+    strictly (no missing or unexpected keys), and both run alike afterwards."""
+    kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True)
+    if CELLS[mode].projection:
+        kw["proj_size"] = 2
+    theirs, ours = pair(mode, **kw)
+    torch.manual_seed(7)
+    fresh_ours = getattr(ft, CLASSES[mode][0])(**kw, **CLASSES[mode][1]).double()
+    theirs.load_state_dict(fresh_ours.state_dict())        # fusedrnn -> torch.nn
+    ours.load_state_dict(theirs.state_dict())              # torch.nn -> fusedrnn
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    close(ours(x)[0], theirs(x)[0])
+    close(fresh_ours(x)[0], theirs(x)[0])
+
+
+def test_flat_weight_checkpoints_of_earlier_versions_still_load():
+    """fusedrnn.torch modules used to keep one flat `weight` parameter: such a checkpoint
+    loads into the named parameters."""
+    _, ours = pair("lstm", input_size=3, hidden_size=4, num_layers=2)
+    fresh = ft.LSTM(3, 4, num_layers=2).double()
+    fresh.load_state_dict({"weight": ours.weight.detach().clone()})
+    for (name, a), (_, b) in zip(fresh.named_parameters(), ours.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(RuntimeError, match="expected shape"):
+        fresh.load_state_dict({"weight": torch.zeros(5, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_parameter_groups_and_clipping_train_as_torch_nn(mode):
+    """The same script on both classes: weight decay on weights only (a parameter group per
+    kind, chosen by name), gradient clipping by norm, three Adam steps: the same
+    parameters after each step."""
+    results = {}
+    for name, cls in (("torch.nn", getattr(torch.nn, CLASSES[mode][0])),
+                      ("fusedrnn", getattr(ft, CLASSES[mode][0]))):
+        torch.manual_seed(0)
+        m = cls(3, 4, num_layers=2, bidirectional=True, **CLASSES[mode][1]).double()
+        decay = [p for n, p in m.named_parameters() if n.startswith("weight")]
+        no_decay = [p for n, p in m.named_parameters() if n.startswith("bias")]
+        assert len(decay) == 8 and len(no_decay) == 8
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=0.05)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(5, 2, 3, dtype=torch.float64))[0].square().sum().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+        results[name] = dict(m.named_parameters())
+    for key, p in results["torch.nn"].items():
+        torch.testing.assert_close(results["fusedrnn"][key], p, rtol=1e-9, atol=1e-11)
 
 
 def test_wrong_state_dict_is_refused():
@@ -215,11 +280,10 @@ def test_flatten_parameters_and_all_weights_as_torch_nn(mode):
         assert len(a_layer) == len(b_layer)
         for a, b in zip(a_layer, b_layer):
             close(a, b)
-    # views of the flat weight: a change through one is seen by the module
+    # the module's own parameters: a change through one is seen by the module
     with torch.no_grad():
         ours[0][2].add_(1.0)
-    assert mods["fusedrnn"].views()[0, 0, "b_x"].sum().item() == pytest.approx(
-        theirs[0][2].sum().item() + theirs[0][2].numel())
+    assert mods["fusedrnn"].bias_ih_l0 is ours[0][2]
 
 
 @pytest.mark.parametrize("name", ["fusedrnn"])   # torch.nn differentiates twice
