@@ -10,7 +10,7 @@ from .config import (CLIP, CLIP_NAN, PRECISIONS, CallOptions, RNNConfig, _bool, 
                      modes_with)
 from .layout import expected_size
 
-__all__ = ["check_call", "CheckedCall"]
+__all__ = ["check_call", "check_scalars", "CheckedCall"]
 
 DTYPE_NAMES = " or ".join((", ".join(list(PRECISIONS)[:-1]), list(PRECISIONS)[-1]))
 
@@ -74,11 +74,10 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
         raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
     cfg = check_config(mode, data.shape[2], state_size, num_layers, bidirectional, projection_size)
     state_outputs = _bool("state_outputs", state_outputs)
-    _bool("train", train)
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"p: expected a float in [0, 1), got {type(p).__name__} {p!r}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
+    check_scalars(cfg, p=p, train=train, lstm_state_clip_min=lstm_state_clip_min,
+                  lstm_state_clip_max=lstm_state_clip_max,
+                  lstm_state_clip_nan=lstm_state_clip_nan,
+                  use_sequence_length=use_sequence_length, seed=seed)
 
     T, N, _ = data.shape
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
@@ -112,6 +111,20 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
         dropout=float(p) if train and cfg.num_layers > 1 else 0.0,
         seed=_check_seed(seed))
     return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, options)
+
+
+def check_scalars(cfg, *, p, train, lstm_state_clip_min, lstm_state_clip_max,
+                  lstm_state_clip_nan, use_sequence_length, seed):
+    """The call's arguments that are not arrays, checked (check_call's rules) before any
+    array is read: the torch operator's schema would refuse a wrong type less clearly."""
+    _bool("train", train)
+    _bool("use_sequence_length", use_sequence_length)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p: expected a float in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p: expected a dropout probability in [0, 1), got {p}")
+    _check_clip(cfg, lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan)
+    _check_seed(seed)
 
 
 def _check_lengths(backend, data, sequence_length, use_sequence_length):

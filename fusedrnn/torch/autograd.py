@@ -1,16 +1,22 @@
-"""fusedrnn.RNN on torch tensors as a torch.autograd.Function, and the tensor <-> array
-crossing it uses (DLPack, no copies). Its own module so that modules.py can import `rnn`
-at its top without importing the package fusedrnn.torch, which imports modules.py.
+"""fusedrnn.RNN on torch tensors as two torch operators (fusedrnn::rnn, whose autograd
+formula calls fusedrnn::rnn_backward), and the tensor <-> array crossing they use
+(DLPack, no copies). Its own module so that modules.py can import `rnn` at its top
+without importing the package fusedrnn.torch, which imports modules.py.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .. import op
-from ..config import CELLS, TORCH_CALLER
+from ..config import CELLS, TORCH_CALLER, check_config
+from ..validate import check_scalars
 
 __all__ = ["rnn", "to_array", "to_tensor"]
 
@@ -115,78 +121,143 @@ class _StreamHandle:
         return (0, self._handle)
 
 
-class _RNNFunction(torch.autograd.Function):
-    """out, hy, cy = f(data, parameters, state, state_cell); cy is an empty tensor for
-    cells without a cell state. Backward calls rnn_backward on the forward's reserve; a
-    forward that ran without one (inference mode) is recomputed in training mode first."""
+# ---- the operators: fusedrnn::rnn and fusedrnn::rnn_backward ----------------------------
+# Registered with torch.library, each with a fake implementation (shapes only), so that
+# torch.compile(fullgraph=True) and torch.export trace them as single nodes and never look
+# inside (where DLPack needs real memory); eager calls run the same operators. A training
+# forward's reserve cannot leave an operator, so the forward returns `key`, a one-element
+# int64 tensor naming its TrainingHandle in _HANDLES; the handle is released when the key
+# tensor is freed (with the autograd graph that saved it).
+_HANDLES = {}
+_next_key = itertools.count(1)
 
-    @staticmethod
-    def forward(ctx, data, parameters, state, state_cell, lengths, kwargs):
-        arrays = [None if t is None else to_array(t)
-                  for t in (data, parameters, state, state_cell, lengths)]
-        train = kwargs["train"]
-        with _from_torch(data):
-            result = op.RNN(*arrays[:4], arrays[4], **dict(kwargs, state_outputs=True))
-        handle = result[-1] if train else None
-        if handle is not None and not any(ctx.needs_input_grad[:4]):
-            handle.release()  # training mode (dropout) without a backward to come
-            handle = None
-        out, hy = result[0], result[1]
-        cy = result[2] if CELLS[kwargs["mode"]].has_cell_state else None
-        ctx.handle, ctx.arrays, ctx.kwargs = handle, arrays, kwargs
-        # Saved for torch's version counters: an in-place change of an input before
-        # backward raises there, as with torch.nn, instead of changing the gradients.
-        ctx.save_for_backward(*(t for t in (data, parameters, state, state_cell)
-                                if t is not None))
-        ctx.has_state, ctx.has_cell = state is not None, state_cell is not None
-        ctx.set_materialize_grads(False)
-        outputs = (to_tensor(out), to_tensor(hy),
-                   to_tensor(cy) if cy is not None else data.new_empty(0))
-        if cy is None:
-            ctx.mark_non_differentiable(outputs[2])
-        return outputs
-
-    @staticmethod
-    def backward(ctx, dout, dhy, dcy):
-        ctx.saved_tensors  # noqa: B018  (raises if an input was modified in place)
-        handle = ctx.handle
-        given = [g for g in (dout, dhy, dcy) if g is not None]
-        if not given:  # no gradient reached any output
-            return (None,) * 6
-        with _from_torch(given[0]):
-            if handle is None:  # the forward ran in inference mode: recompute its record
-                kwargs = dict(ctx.kwargs, train=True, p=0.0, state_outputs=True)
-                handle = ctx.handle = op.RNN(*ctx.arrays[:4], ctx.arrays[4], **kwargs)[-1]
-            heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
-            if not CELLS[ctx.kwargs["mode"]].has_cell_state:
-                heads[2] = None
-            # retain: a second backward (retain_graph=True) reuses the same record and
-            # dropout masks; the reserve is freed with the graph (ctx).
-            grads = op.rnn_backward(handle, *heads, retain=True)
-        results = (to_tensor(grads.data), to_tensor(grads.parameters),
-                   to_tensor(grads.state) if ctx.has_state else None,
-                   to_tensor(grads.state_cell) if ctx.has_cell else None)
-        if torch.is_grad_enabled() and any(g.requires_grad for g in given):
-            # create_graph=True: the gradients are not differentiable; a second backward
-            # that reaches them raises (_NoDoubleBackward) instead of seeing constants.
-            results = tuple(None if r is None else _NoDoubleBackward.apply(r, *given)
-                            for r in results)
-        return results + (None, None)
+_CONFIG = ("mode", "state_size", "num_layers", "bidirectional", "p", "projection_size",
+           "clip_min", "clip_max", "clip_nan", "use_lengths", "train", "seed")
 
 
-class _NoDoubleBackward(torch.autograd.Function):
-    """grad, tied to the heads it came from, whose own backward raises: what a gradient of
-    the op taken with create_graph=True returns."""
+_SCALAR_DEFAULTS = dict(lstm_state_clip_min=None, lstm_state_clip_max=None,
+                        lstm_state_clip_nan=False, use_sequence_length=False)
 
-    @staticmethod
-    def forward(ctx, grad, *heads):
-        return grad.clone()
 
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError("fusedrnn: the RNN's gradients are not differentiable (no double "
-                           "backward); take them without create_graph=True, or use torch.nn "
-                           "where second derivatives are needed")
+def _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size, clip_min,
+               clip_max, clip_nan, use_lengths, train, seed):
+    """The operators' flat arguments as fusedrnn.RNN's keywords."""
+    return dict(mode=mode, state_size=state_size, num_layers=num_layers,
+                bidirectional=bidirectional, p=p, projection_size=projection_size or None,
+                lstm_state_clip_min=clip_min, lstm_state_clip_max=clip_max,
+                lstm_state_clip_nan=clip_nan, use_sequence_length=use_lengths, train=train,
+                seed=None if seed < 0 else seed)
+
+
+def _release(key):
+    handle = _HANDLES.pop(key, None)
+    if handle is not None:
+        handle.release()
+
+
+@torch.library.custom_op("fusedrnn::rnn", mutates_args=())
+def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
+           state_cell: Optional[Tensor], lengths: Optional[Tensor], mode: str, state_size: int,
+           num_layers: int, bidirectional: bool, p: float, projection_size: int,
+           clip_min: Optional[float], clip_max: Optional[float], clip_nan: bool,
+           use_lengths: bool, train: bool, seed: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, hy, cy, key): cy empty for cells without a cell state; key names the
+    training handle (0: none, an inference forward)."""
+    kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
+                        clip_min, clip_max, clip_nan, use_lengths, train, seed)
+    arrays = [None if t is None else to_array(t)
+              for t in (data, parameters, state, state_cell, lengths)]
+    with _from_torch(data):
+        result = op.RNN(*arrays, state_outputs=True, **kwargs)
+    key = torch.zeros(1, dtype=torch.int64)
+    if train:
+        key[0] = number = next(_next_key)
+        _HANDLES[number] = result[-1]
+        weakref.finalize(key, _release, number)
+    cy = result[2] if CELLS[mode].has_cell_state else None
+    return (to_tensor(result[0]), to_tensor(result[1]),
+            to_tensor(cy) if cy is not None else data.new_empty(0), key)
+
+
+@rnn_op.register_fake
+def _rnn_shapes(data, parameters, state, state_cell, lengths, mode, state_size, num_layers,
+                bidirectional, p, projection_size, clip_min, clip_max, clip_nan, use_lengths,
+                train, seed):
+    T, N = data.shape[0], data.shape[1]
+    D, R = (2 if bidirectional else 1), projection_size or state_size
+    cy_shape = (num_layers * D, N, state_size) if CELLS[mode].has_cell_state else (0,)
+    return (data.new_empty((T, N, D * R)), data.new_empty((num_layers * D, N, R)),
+            data.new_empty(cy_shape), torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("fusedrnn::rnn_backward", mutates_args=())
+def rnn_backward_op(key: Tensor, dout: Optional[Tensor], dhy: Optional[Tensor],
+                    dcy: Optional[Tensor], data: Tensor, parameters: Tensor,
+                    state: Optional[Tensor], state_cell: Optional[Tensor],
+                    lengths: Optional[Tensor], mode: str, state_size: int, num_layers: int,
+                    bidirectional: bool, p: float, projection_size: int,
+                    clip_min: Optional[float], clip_max: Optional[float], clip_nan: bool,
+                    use_lengths: bool, train: bool, seed: int
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (data, parameters, state, state_cell) of the forward `key` names (empty
+    tensors for absent states). A forward without a handle (inference mode) is recomputed
+    in training mode first, without dropout."""
+    kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
+                        clip_min, clip_max, clip_nan, use_lengths, train, seed)
+    with _from_torch(data):
+        handle = _HANDLES.get(int(key[0]))
+        if handle is None:
+            arrays = [None if t is None else to_array(t)
+                      for t in (data, parameters, state, state_cell, lengths)]
+            kwargs.update(train=True, p=0.0)
+            handle = op.RNN(*arrays, state_outputs=True, **kwargs)[-1]
+        heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
+        if not CELLS[mode].has_cell_state:
+            heads[2] = None
+        # retain: a second backward (retain_graph=True) reads the same record and masks
+        grads = op.rnn_backward(handle, *heads, retain=True)
+    return (to_tensor(grads.data), to_tensor(grads.parameters),
+            to_tensor(grads.state) if state is not None else data.new_empty(0),
+            to_tensor(grads.state_cell) if state_cell is not None else data.new_empty(0))
+
+
+@rnn_backward_op.register_fake
+def _rnn_backward_shapes(key, dout, dhy, dcy, data, parameters, state, state_cell, lengths,
+                         *config):
+    return (torch.empty_like(data), torch.empty_like(parameters),
+            torch.empty_like(state) if state is not None else data.new_empty(0),
+            torch.empty_like(state_cell) if state_cell is not None else data.new_empty(0))
+
+
+def _rnn_setup(ctx, inputs, output):
+    data, parameters, state, state_cell, lengths = inputs[:5]
+    ctx.config = inputs[5:]
+    # Saved also for torch's version counters: an in-place change of an input before
+    # backward raises there, as with torch.nn, instead of changing the gradients.
+    ctx.save_for_backward(output[3], data, parameters, state, state_cell, lengths)
+
+
+def _rnn_grad(ctx, dout, dhy, dcy, dkey):
+    key, data, parameters, state, state_cell, lengths = ctx.saved_tensors
+    if dout is None and dhy is None and dcy is None:   # no gradient reached any output
+        return (None,) * (5 + len(_CONFIG))
+    grads = torch.ops.fusedrnn.rnn_backward(key, dout, dhy, dcy, data, parameters, state,
+                                            state_cell, lengths, *ctx.config)
+    return (grads[0], grads[1], grads[2] if state is not None else None,
+            grads[3] if state_cell is not None else None) + (None,) * (1 + len(_CONFIG))
+
+
+rnn_op.register_autograd(_rnn_grad, setup_context=_rnn_setup)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("fusedrnn: the RNN's gradients are not differentiable (no double "
+                       "backward); take them without create_graph=True, or use torch.nn "
+                       "where second derivatives are needed")
+
+
+rnn_backward_op.register_autograd(_no_double_backward,
+                                  setup_context=lambda ctx, inputs, output: None)
 
 
 def _autocast(*tensors):
@@ -236,8 +307,22 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     lengths = None
     if sequence_length is not None:
         lengths = sequence_length.to(device=data.device, dtype=torch.int64)
-    kwargs["train"] = train
-    out, hy, cy = _RNNFunction.apply(data, parameters, state, state_cell, lengths, kwargs)
+    if data.dim() == 3:   # (shape errors are the operator's: op.RNN says them)
+        check_scalars(check_config(kwargs.get("mode"), data.shape[2], kwargs.get("state_size"),
+                                   kwargs.get("num_layers"), kwargs.get("bidirectional", False),
+                                   kwargs.get("projection_size")),
+                      p=p, train=train, seed=kwargs.get("seed"),
+                      **{k: kwargs.get(k, d) for k, d in _SCALAR_DEFAULTS.items()})
+    config = dict(mode=kwargs["mode"], state_size=kwargs["state_size"],
+                  num_layers=kwargs["num_layers"], bidirectional=kwargs.get("bidirectional", False),
+                  p=p, projection_size=kwargs.get("projection_size") or 0,
+                  clip_min=kwargs.get("lstm_state_clip_min"),
+                  clip_max=kwargs.get("lstm_state_clip_max"),
+                  clip_nan=kwargs.get("lstm_state_clip_nan", False),
+                  use_lengths=kwargs.get("use_sequence_length", False), train=train,
+                  seed=-1 if kwargs.get("seed") is None else kwargs["seed"])
+    out, hy, cy, _ = torch.ops.fusedrnn.rnn(data, parameters, state, state_cell, lengths,
+                                            *config.values())
     if not state_outputs:
         return out
     return (out, hy, cy) if CELLS[kwargs["mode"]].has_cell_state else (out, hy)

@@ -106,6 +106,11 @@ class _FusedRNNBase(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
+    def __prepare_scriptable__(self):
+        raise NotImplementedError("fusedrnn.torch modules: TorchScript (torch.jit.script) is "
+                                  "not supported; torch.compile(fullgraph=True) and "
+                                  "torch.export trace them (fusedrnn::rnn)")
+
     def flatten_parameters(self):
         """torch.nn's call before cuDNN: nothing to do, the weights are one flat vector."""
 

@@ -77,3 +77,15 @@ def test_cuda_autocast_runs_in_its_dtype_like_torch_nn(dtype):
         out = ours(x)[0]
     assert out.dtype == out_theirs.dtype == dtype
     torch.testing.assert_close(out.float(), out_theirs.float(), rtol=0, atol=4 * 2.0 ** -8)
+
+
+def test_fullgraph_compiled_model_trains_as_eager_on_cuda():
+    import copy
+    from test_compile import make, train_three_steps
+    torch._dynamo.reset()
+    eager, tokens, targets = make("cuda")
+    compiled = copy.deepcopy(eager)
+    want = train_three_steps(eager, eager, tokens, targets)
+    got = train_three_steps(compiled, torch.compile(compiled, fullgraph=True), tokens,
+                            targets)
+    assert got == pytest.approx(want, rel=1e-5)
