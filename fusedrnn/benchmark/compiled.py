@@ -11,18 +11,15 @@ step is faster).
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import numpy as np
 
 from .cases import TRAIN_MODELS
+from .processes import alternate, seconds_per_call
 
 
 def _one(model, compiled):
     """Seconds per training step of one variant (runs in its own process)."""
-    import time
-
     import torch
 
     import fusedrnn.torch as ft
@@ -45,15 +42,7 @@ def _one(model, compiled):
         opt.zero_grad(set_to_none=True)
         loss_of(x, y).backward()
         opt.step()
-    for _ in range(3):
-        step()
-    blocks = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(3):
-            step()
-        blocks.append((time.perf_counter() - start) / 3)
-    return float(np.median(blocks))
+    return seconds_per_call(step, warmup=3)
 
 
 def main(argv=None):
@@ -67,13 +56,8 @@ def main(argv=None):
         return
     print("ms per training step, fusedrnn.torch eager vs torch.compile(fullgraph=True)")
     for model in args.models.split(","):
-        times = {"eager": [], "compiled": []}
-        for _ in range(args.rounds):
-            for variant in times:
-                out = subprocess.run([sys.executable, "-m", "fusedrnn.benchmark.compiled",
-                                      "--one", model, variant], check=True,
-                                     capture_output=True, text=True).stdout
-                times[variant].append(float(out.split()[-1]))
+        times = alternate("fusedrnn.benchmark.compiled", ("eager", "compiled"), args.rounds,
+                          model)
         cells = "; ".join(f"{k} " + " ".join(f"{t * 1e3:.1f}" for t in v)
                           for k, v in times.items())
         ratio = np.median(times["eager"]) / np.median(times["compiled"])

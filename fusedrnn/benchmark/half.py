@@ -11,12 +11,11 @@ of the medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is fast
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import numpy as np
 
 from ..config import CELLS
+from .processes import alternate, seconds_per_call
 
 SHAPE = dict(T=300, N=20, I=800, H=800)
 PEERS = {"torch": ("torch.nn", "bfloat16"), "fusedrnn": ("fusedrnn.torch", "bfloat16"),
@@ -25,8 +24,6 @@ PEERS = {"torch": ("torch.nn", "bfloat16"), "fusedrnn": ("fusedrnn.torch", "bflo
 
 def _one(mode, peer, train):
     """Seconds per call of one peer (runs in its own process)."""
-    import time
-
     import torch
     module_name, dtype = PEERS[peer]
     torch.set_num_threads(2)
@@ -45,37 +42,24 @@ def _one(mode, peer, train):
         else:
             with torch.no_grad():
                 module(x)
-    call(), call()
-    blocks = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(3):
-            call()
-        blocks.append((time.perf_counter() - start) / 3)
-    return float(np.median(blocks))
+    return seconds_per_call(call)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="lstm,gru,rnn_tanh")
-    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # mode peer infer|train
+    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # mode infer|train peer
     args = p.parse_args(argv)
     if args.one:
-        print(_one(args.one[0], args.one[1], args.one[2] == "train"))
+        print(_one(args.one[0], args.one[2], args.one[1] == "train"))
         return
     T, N, I, H = SHAPE["T"], SHAPE["N"], SHAPE["I"], SHAPE["H"]
     print(f"T={T} N={N} I={I} H={H}, 2 torch threads; ms per call (GFLOP/s)")
     for mode in args.modes.split(","):
         flops = 2 * T * N * CELLS[mode].gates * H * (I + H)
         for phase in ("infer", "train"):
-            times = {peer: [] for peer in PEERS}
-            for _ in range(args.rounds):
-                for peer in PEERS:
-                    out = subprocess.run([sys.executable, "-m", "fusedrnn.benchmark.half",
-                                          "--one", mode, peer, phase], check=True,
-                                         capture_output=True, text=True).stdout
-                    times[peer].append(float(out.split()[-1]))
+            times = alternate("fusedrnn.benchmark.half", PEERS, args.rounds, mode, phase)
             work = flops * (3 if phase == "train" else 1)
             cells = [f"{peer} " + " ".join(f"{t * 1e3:.1f}" for t in ts) +
                      f" ({work / np.median(ts) / 1e9:.0f})" for peer, ts in times.items()]

@@ -155,3 +155,14 @@ def test_cpu_grid_is_a_subset_of_the_full_grid():
     assert len(grid) == 4 * 2 * math.prod(len(a) for a in case_lib.GRID_CPU)
     assert len(case_lib.cases(["grid"], device="gpu")) == 4 * 2 * math.prod(
         len(a) for a in case_lib.GRID_GPU)
+
+
+def test_side_by_side_helpers():
+    """benchmark.processes: the blocks count their calls; a variant runs in its own process
+    and reports its seconds (compiled.py's eager tagger step)."""
+    from fusedrnn.benchmark.processes import alternate, seconds_per_call
+    calls = []
+    assert seconds_per_call(lambda: calls.append(1), warmup=2, blocks=3, per_block=4) >= 0
+    assert len(calls) == 2 + 3 * 4
+    times = alternate("fusedrnn.benchmark.compiled", ("eager",), 1, "tagger")
+    assert list(times) == ["eager"] and len(times["eager"]) == 1 and times["eager"][0] > 0

@@ -81,7 +81,7 @@ def test_cuda_autocast_runs_in_its_dtype_like_torch_nn(dtype):
 
 def test_fullgraph_compiled_model_trains_as_eager_on_cuda():
     import copy
-    from test_compile import make, train_three_steps
+    from test_torch_compile import make, train_three_steps
     torch._dynamo.reset()
     eager, tokens, targets = make("cuda")
     compiled = copy.deepcopy(eager)
