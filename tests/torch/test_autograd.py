@@ -145,6 +145,25 @@ def test_no_grad_inference_keeps_no_graph():
     assert out.grad_fn is None and not out.requires_grad
 
 
+def test_training_mode_without_a_backward_keeps_no_record(monkeypatch):
+    """train=True that autograd will not differentiate (a module left in train() under
+    torch.no_grad) reaches the op as inference when there is no dropout to draw, with the
+    same result; with dropout between layers it stays a training forward (the masks)."""
+    from fusedrnn import op
+    seen = []
+    real = op.RNN
+    monkeypatch.setattr(op, "RNN", lambda *a, **k: seen.append(k["train"]) or real(*a, **k))
+    for L, p, expected in ((1, 0.5, False), (2, 0.0, False), (2, 0.5, True)):
+        case, kw, _ = make_case("lstm", L=L)
+        t = _tensors(case)
+        with torch.no_grad():
+            out = ft.rnn(**t, **kw, p=p, train=True, seed=2)
+        assert seen.pop() is expected, (L, p)
+        reference = ft.rnn(**t, **kw, p=p, train=True, seed=2)   # autograd needs it
+        assert seen.pop() is True
+        torch.testing.assert_close(out, reference.detach(), rtol=0, atol=0)
+
+
 def test_second_backward_with_retain_graph_reuses_the_dropout_masks():
     case, kw, heads = make_case("gru", L=2, D=2)
     t = _tensors(case)
