@@ -118,6 +118,9 @@ class RecurrentOp:
         # dtype: the data's; self.dtype: the one everything inside runs in (config.PRECISIONS).
         self.io_dtype = dtype
         self.converts = PRECISIONS[dtype.name].compute != dtype.name
+        # The backward's GEMMs on the backend's half-precision products where it has them
+        # for this storage (CpuBackend.pair_products: bfloat16 pairs), else in self.dtype.
+        self._pairs = self.converts and backend.pair_products(dtype.name)
         dtype = np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
@@ -313,10 +316,33 @@ class RecurrentOp:
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
+                "pairs": (self._pair_scratch(),),   # 4-byte elements, viewed as uint32
                 **self.driver.backward_scratch(),
             })
             self.nbytes += nbytes
         return self._backward_scratch
+
+    def _gemm_shapes(self):
+        """(M, K, C) of each of the backward's GEMMs (_gemm)."""
+        cfg, TN = self.config, self.T * self.N
+        D, GH, H, R = cfg.directions, cfg.gate_rows, cfg.state_size, cfg.recurrent_size
+        for layer in range(cfg.num_layers):
+            n_in = cfg.layer_input_size(layer)
+            yield from ((TN, D * GH, n_in), (GH, TN, n_in), (GH, TN, R))
+            if cfg.projection_size:
+                yield R, TN, H
+
+    def _pair_scratch(self):
+        if not self._pairs:
+            return 0
+        return max(self.backend.pair_scratch(*shape) for shape in self._gemm_shapes())
+
+    def _gemm(self, b, a, w, out, transpose_a=False):
+        """out = a @ w (a^T @ w): the backward's GEMMs, on the backend's half-precision
+        products where the op has them (self._pairs), else in self.dtype."""
+        if self._pairs:
+            return self.backend.matmul(a, w, out, transpose_a, pairs=b.pairs.view(np.uint32))
+        return self.backend.matmul(a, w, out, transpose_a)
 
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         """Gradients (data, parameters, state, state_cell) of sum(out*dout) + sum(hy*dhy)
@@ -351,7 +377,7 @@ class RecurrentOp:
                 self._direction_backward(layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
                                          opts, masks, b, g_h0, g_c0)
             dx = g_data if layer == 0 else b.dys
-            self.backend.matmul(b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
+            self._gemm(b, b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
             if layer > 0 and reserve.masks:
                 b.dys *= reserve.masks[layer - 1]
             dy = b.dys
@@ -381,12 +407,12 @@ class RecurrentOp:
         if cell.has_cell_state:
             g_c0[idx] = b.dc_carry
         # Weight gradients: one GEMM over all T*N rows per direction.
-        gemm = self.backend.matmul
-        gemm(b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x"), transpose_a=True)
-        gemm(dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
+        gemm = self._gemm
+        gemm(b, b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x"), transpose_a=True)
+        gemm(b, dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
              lay.view(g_params, layer, d, "W_h"), transpose_a=True)
         if proj:
-            gemm(b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
+            gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)
         xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
         xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))

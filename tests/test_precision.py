@@ -158,6 +158,24 @@ def test_outputs_and_gradients_keep_the_dtype_and_a_second_backward_agrees():
                               getattr(second, name).view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_backward_gemms_run_on_pairs_where_the_backend_has_them(monkeypatch, dtype):
+    """The bounds above cover the bfloat16 backward whose GEMMs take bfloat16 pairs
+    (CpuBackend.pair_products, a CPU with AVX512-BF16); float16 keeps float32 GEMMs."""
+    from fusedrnn.cpu import BACKEND, CpuBackend
+    seen = []
+    real = CpuBackend.matmul
+    def matmul(a, b, out, *args, **kwargs):
+        if out.dtype == np.float32:   # (not the float64 reference's backward)
+            seen.append(kwargs.get("pairs") is not None)
+        return real(a, b, out, *args, **kwargs)
+    monkeypatch.setattr(BACKEND, "matmul", matmul)
+    case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=18, L=2, D=2, seed=6)
+    check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
+    assert len(seen) == 2 * 5   # per layer: dX, and per direction two weight gradients
+    assert set(seen) == {dtype == "bfloat16" and CpuBackend.pair_products(dtype)}
+
+
 def test_float16_and_bfloat16_of_one_shape_get_their_own_ops():
     """The op cache keys on the dtype's name: bfloat16's str ('<V2') is any 2-byte void's."""
     case, kw, _ = make_case("gru", T=3, N=2, I=4, H=16, seed=2)

@@ -11,7 +11,8 @@ from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numb
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
 from .cells import cell_kernels
 from .fused import fused_layer, own_gemm
-from .lowlevel import CHUNK, HAS_BF16, PANEL, narrow, pack_recurrent_rows, project, widen
+from .lowlevel import (CHUNK, HAS_BF16, PANEL, interleave_rows, narrow, pack_k_pairs,
+                       pack_recurrent_rows, panels, project, project_bf16, round_rows, widen)
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -42,6 +43,22 @@ def _own_product(a, b, out):
     return project(a, pack_recurrent_rows(b), out, spill)
 
 
+def _pair_product(a, b, out, transpose_a, pairs):
+    """out = a @ b, or a^T @ b, from bfloat16 pairs (a and b rounded to bfloat16, float32
+    sums: lowlevel/bf16gemm.py's layouts); pairs: CpuBackend.pair_scratch's uint32s."""
+    M, K = a.shape[::-1] if transpose_a else a.shape
+    C, kp = b.shape[1], -(-K // 2)
+    n_a, n_b = M * kp, panels(C) * kp * PANEL
+    if transpose_a:   # a^T by columns: a's rows interleaved in pairs, no transposing copy
+        a_pairs = interleave_rows(a, pairs[:n_a].reshape(kp, M))
+    else:
+        a_pairs = round_rows(a, pairs[:n_a].view(np.uint16).reshape(M, 2 * kp)).view(np.uint32)
+    b_pairs = pack_k_pairs(b, pairs[n_a:n_a + n_b].reshape(-1, kp, PANEL))
+    spill = pairs[n_a + n_b:n_a + n_b + -(-M // CHUNK) * CHUNK * PANEL].view(np.float32)
+    return project_bf16(a_pairs, b_pairs, out, spill.reshape(-1, CHUNK, PANEL),
+                        by_columns=transpose_a)
+
+
 class CpuBackend:
     name = "cpu"
     array_name = "numpy.ndarray"
@@ -68,7 +85,23 @@ class CpuBackend:
         return threads.BLAS_ONE_THREAD
 
     @staticmethod
-    def matmul(a, b, out, transpose_a=False):
+    def pair_products(storage):
+        """Whether the op's training GEMMs run on bfloat16 pairs (matmul's `pairs`) for data
+        stored as `storage`: bfloat16, where the CPU has AVX512-BF16 (vdpbf16ps, float32
+        sums), as the forward's products do. The design-size LSTM's three GEMMs of a
+        direction (30.7 GFLOP each): 292 ms in float32 through torch's GEMM and the
+        float32 micro-kernel, against 33-42 ms each on the bfloat16 tile.
+        Measured: bench/results/cpu-kernel-notes.md#bf16-the-training-gemms"""
+        return storage == "bfloat16" and HAS_BF16
+
+    @staticmethod
+    def pair_scratch(M, K, C):
+        """uint32s that matmul(..., pairs=) needs for an (M, K) @ (K, C) product."""
+        kp = -(-K // 2)
+        return M * kp + panels(C) * kp * PANEL + -(-M // CHUNK) * CHUNK * PANEL
+
+    @staticmethod
+    def matmul(a, b, out, transpose_a=False, pairs=None):
         """out = a @ b, or a^T @ b (the op's large GEMMs: the input projection where the
         fused layer does not run it, the input and weight gradients).
         a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
@@ -80,11 +113,16 @@ class CpuBackend:
         one thread the GEMMs are slow (the acoustic model's step: numpy's BLAS on one
         thread 534 ms, torch's 438 ms). In a torch program a large float32 a^T @ b
         (OWN_GRADIENT_*) takes torch's transposing copy of a, then the micro-kernel.
+        With `pairs` (a flat uint32 scratch of pair_scratch(M, K, C); only where
+        pair_products said so) a float32 product runs on bfloat16 pairs instead.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
         #threads-blas-on-one-thread"""
         M, K = a.shape[::-1] if transpose_a else a.shape
         C = b.shape[1]
         same = a.dtype == b.dtype == out.dtype
+        if pairs is not None and same and out.dtype == np.float32 and out.flags.c_contiguous \
+                and a.strides[1] == b.strides[1] == 4:
+            return _pair_product(a, b, out, transpose_a, pairs)
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)

@@ -34,6 +34,12 @@ class GpuBackend:
         """cuBLAS runs on the device: nothing to cap on the host."""
         return contextlib.nullcontext()
 
+    @staticmethod
+    def pair_products(storage):
+        """Half-precision training GEMMs (cuBLAS in half with float32 compute) are not
+        built: every GEMM runs in the op's float32."""
+        return False
+
     def matmul(self, a, b, out, transpose_a=False):
         """out = a @ b, or a^T @ b, by cuBLAS."""
         return self.xp.matmul(a.T if transpose_a else a, b, out=out)

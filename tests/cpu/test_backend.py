@@ -98,3 +98,28 @@ def test_a_torch_programs_gemms_go_to_torch(monkeypatch, case):
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
     assert calls == expected, case
+
+
+@pytest.mark.skipif(not cpu.HAS_BF16, reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301)])   # (M, K, C)
+def test_matmul_on_bfloat16_pairs(shape, transpose_a):
+    """With `pairs` (the op's bfloat16 data, CpuBackend.pair_products) a @ b and a^T @ b
+    round a and b to bfloat16 and sum in float32: against float64 of the rounded values,
+    within float32 summation's bound, and not the float32 product (the rounding is real)."""
+    import ml_dtypes
+    M, K, C = shape
+    rng = np.random.default_rng([M, K, C, 2])
+    wide = rng.standard_normal((K, 2 * M) if transpose_a else (M, K)).astype(np.float32)
+    a = wide[:, M:] if transpose_a else wide
+    b = rng.standard_normal((K, C)).astype(np.float32)
+    assert CpuBackend.pair_products("bfloat16") and not CpuBackend.pair_products("float16")
+    pairs = np.full(CpuBackend.pair_scratch(M, K, C), 0xDEADBEEF, np.uint32)
+    out = np.full((M, C), np.nan, np.float32)
+    CpuBackend.matmul(a, b, out, transpose_a=transpose_a, pairs=pairs)
+    rounded = [x.astype(ml_dtypes.bfloat16).astype(np.float64) for x in (a, b)]
+    a64, b64 = (rounded[0].T if transpose_a else rounded[0]), rounded[1]
+    want = a64 @ b64
+    assert np.max(np.abs(out - want)) <= 4 * K * 2.0 ** -24 * np.max(np.abs(a64) @ np.abs(b64))
+    full = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(out - full)) > 1e-4 * np.max(np.abs(full))

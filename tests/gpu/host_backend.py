@@ -14,7 +14,7 @@ import pytest
 from conftest import POISONED_NUMPY
 from fusedrnn.config import CELLS, CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
-from fusedrnn.gpu import build, kernels, persistent
+from fusedrnn.gpu import GpuBackend, build, kernels, persistent
 from fusedrnn.recurrence import RecurrentOp
 
 
@@ -68,6 +68,7 @@ class HostCudaBackend:
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
     blas_scope = staticmethod(CPU.blas_scope)
+    pair_products = staticmethod(GpuBackend.pair_products)
     astype = staticmethod(CPU.astype)
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1):

@@ -18,6 +18,9 @@ panel_gemm_bf16(a, lda, rows, panel, pstride, npanels, c, ldc, kp)  (Numba intri
     panel j at panel + j*pstride uint32s; npanels a compile-time constant. Tiles as the
     float32 micro-kernel's (microkernel.tile_height: up to 24 accumulators, 8 rows).
     Addresses are integers; C must not overlap A or the panels.
+panel_gemm_bf16_cols(...)  the same with A stored by columns: (kp, rows) uint32, pair p
+    of row r at a + p*lda + r (the weight gradients' dG^T: dG's rows interleaved in
+    pairs, bf16gemm.interleave_rows, with no transposing copy).
 Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
 select the instruction, and the callers must not compile this.
 """
@@ -36,7 +39,7 @@ from numba.extending import intrinsic
 
 from .microkernel import PANEL, _function, emit_tiled_product
 
-__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16"]
+__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_cols"]
 
 
 def _has_bf16():
@@ -74,8 +77,9 @@ def _link_helper(context):
         active.add_linking_library(lib)
 
 
-def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group):
-    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts)."""
+def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_columns):
+    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts); A by columns
+    where by_columns."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     u32, f32 = ir.IntType(32), ir.FloatType()
@@ -95,7 +99,8 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group):
             builder.mul(p, const(PANEL)), builder.mul(const(j), pstride))]), u32v.as_pointer()),
             align=4) for j in range(group)]
         for r in range(rows):
-            at = builder.add(builder.mul(const(r), lda), p)
+            at = (builder.add(builder.mul(p, lda), const(r)) if by_columns else
+                  builder.add(builder.mul(const(r), lda), p))
             pair = builder.load(builder.gep(a_ptr, [at]))
             a_vec = builder.shuffle_vector(
                 builder.insert_element(undef, pair, ir.Constant(u32, 0)), undef, splat)
@@ -108,39 +113,54 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group):
                           builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer()), align=4)
 
 
-def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels):
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels, by_columns):
     """microkernel.emit_tiled_product over the bfloat16 tiles: the float32 tiles' shapes
     (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C)."""
+    suffix = "_bf16c" if by_columns else "_bf16"
+
     def tile(h, group):
-        return _function(builder.module, f"fusedrnn_tile{h}x{group}_bf16", a.type, 7,
-                         functools.partial(_emit_tile, rows=h, group=group))
+        return _function(builder.module, f"fusedrnn_tile{h}x{group}{suffix}", a.type, 7,
+                         functools.partial(_emit_tile, rows=h, group=group,
+                                           by_columns=by_columns))
     emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, kp, npanels=npanels,
-                       dtype=np.float32, itemsize=4, transposed=False, tile=tile)
+                       dtype=np.float32, itemsize=4, transposed=False, tile=tile,
+                       a_by_columns=by_columns)
 
 
-@intrinsic
-def panel_gemm_bf16(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
-    for arg in (a, lda, rows, panel, pstride, c, ldc, kp):
-        if not isinstance(arg, types.Integer):
-            return None
-    if not isinstance(npanels, types.IntegerLiteral):
-        return None        # Numba retries with the literal where there is one
-    count = npanels.literal_value
-    if count < 1:
-        raise ValueError(f"panel_gemm_bf16: npanels must be >= 1, got {count}")
-    if not HAS_BF16:
-        raise NotImplementedError("panel_gemm_bf16: this CPU has no AVX512-BF16")
+def _panel_gemm(by_columns):
+    name = "panel_gemm_bf16_cols" if by_columns else "panel_gemm_bf16"
 
-    def codegen(context, builder, signature, args):
-        _link_helper(context)
-        ints = [context.cast(builder, args[i], signature.args[i], types.intp)
-                for i in (0, 1, 2, 3, 4, 6, 7, 8)]
-        fn = _function(builder.module, f"fusedrnn_gemm{count}_bf16", ints[0].type, 8,
-                       functools.partial(_emit_gemm, npanels=count))
-        builder.call(fn, ints)
-        return context.get_dummy_value()
+    def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
+        for arg in (a, lda, rows, panel, pstride, c, ldc, kp):
+            if not isinstance(arg, types.Integer):
+                return None
+        if not isinstance(npanels, types.IntegerLiteral):
+            return None        # Numba retries with the literal where there is one
+        count = npanels.literal_value
+        if count < 1:
+            raise ValueError(f"{name}: npanels must be >= 1, got {count}")
+        if not HAS_BF16:
+            raise NotImplementedError(f"{name}: this CPU has no AVX512-BF16")
 
-    return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, kp), codegen
+        def codegen(context, builder, signature, args):
+            _link_helper(context)
+            ints = [context.cast(builder, args[i], signature.args[i], types.intp)
+                    for i in (0, 1, 2, 3, 4, 6, 7, 8)]
+            fn = _function(builder.module,
+                           f"fusedrnn_gemm{count}_bf16{'c' if by_columns else ''}",
+                           ints[0].type, 8, functools.partial(_emit_gemm, npanels=count,
+                                                              by_columns=by_columns))
+            builder.call(fn, ints)
+            return context.get_dummy_value()
+
+        return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, kp), codegen
+
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+panel_gemm_bf16 = _panel_gemm(False)
+panel_gemm_bf16_cols = _panel_gemm(True)
 
 
 def pack_pairs(b):

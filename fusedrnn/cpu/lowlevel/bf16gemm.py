@@ -23,10 +23,22 @@ widen(src, dst) / narrow(src, dst)
     src, dst  flat (contiguous 1-D) arrays of one length: bfloat16 bits (uint16) <->
               float32, exactly / rounded to nearest even: the op's conversions at its
               edges (ml_dtypes' astype took 23 / 11 ms for 4.8M values, these 1-3 ms)
-project_bf16(a, wpack, c, spill)
-    a     (M, kp) uint32      in   bfloat16 pairs of the layer input's rows
-    wpack (P, kp, 16) uint32  in   pack_input_pairs's
-    c     (M, C) float32      out  a @ W^T; every element written
+interleave_rows(src, dst)
+    src  (K, M) float32       in   any row stride, unit column stride (a column block of dG)
+    dst  (kp, M) uint32       out  rows 2p and 2p+1 of src rounded to bfloat16 and
+                                   interleaved: element (p, m) holds src[2p, m] (low half)
+                                   and src[2p+1, m] (high half), zero past K: src^T as A
+                                   stored by columns (bf16.panel_gemm_bf16_cols)
+pack_k_pairs(src, out)
+    src  (K, C) float32       in   any row stride, unit column stride
+    out  (P, kp, 16) uint32   out  src as panels of pairs of k (bf16.py's layout: pair p of
+                                   column j holds src[2p, j] and src[2p+1, j]), rounded to
+                                   bfloat16, zero past K and C
+project_bf16(a, wpack, c, spill, by_columns=False)
+    a     (M, kp) uint32      in   bfloat16 pairs of the layer input's rows; with by_columns
+                                   (kp, M) (interleave_rows's: A = src^T by columns)
+    wpack (P, kp, 16) uint32  in   pack_input_pairs's or pack_k_pairs's
+    c     (M, C) float32      out  A @ W^T (A @ B for pack_k_pairs's B); every element written
     spill (ceil(M/CHUNK), CHUNK, 16) float32  scratch for a partial last panel
 No argument overlaps another.
 """
@@ -37,13 +49,13 @@ import numpy as np
 from numba import prange
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial
-from .bf16 import panel_gemm_bf16
+from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols
 from .gemm import CHUNK, QUAD, SERIAL_WORK
 from .microkernel import PANEL
 from .packing import SERIAL_ELEMENTS
 
-__all__ = ["bf16_bits", "narrow", "pack_input_pairs", "pack_recurrent_pairs", "project_bf16",
-           "round_rows", "widen"]
+__all__ = ["bf16_bits", "interleave_rows", "narrow", "pack_input_pairs", "pack_k_pairs",
+           "pack_recurrent_pairs", "project_bf16", "round_rows", "widen"]
 
 
 @nb.njit(inline="always", cache=True)
@@ -72,6 +84,64 @@ def round_rows(src, dst):
     with LAUNCH_LOCK:
         (_round_rows_serial if src.size <= SERIAL_ELEMENTS else _round_rows)(src, dst)
     return dst
+
+
+def _interleave_rows(src, dst):
+    K, M = src.shape
+    for p in prange(dst.shape[0]):
+        k = 2 * p
+        if k + 1 < K:
+            for m in range(M):
+                dst[p, m] = bf16_bits(src[k, m]) | (bf16_bits(src[k + 1, m]) << np.uint32(16))
+        else:
+            for m in range(M):
+                dst[p, m] = bf16_bits(src[k, m])
+
+
+_interleave_rows, _interleave_rows_serial = parallel_and_serial(_interleave_rows)
+
+
+def interleave_rows(src, dst):
+    """dst (kp, M) uint32 = src (K, M)'s row pairs rounded to bfloat16 and interleaved
+    (docstring above)."""
+    if dst.shape != (-(-src.shape[0] // 2), src.shape[1]) or src.strides[1] != 4:
+        raise ValueError(f"interleave_rows: dst {dst.shape} does not fit src {src.shape} "
+                         f"(strides {src.strides})")
+    with LAUNCH_LOCK:
+        (_interleave_rows_serial if src.size <= SERIAL_ELEMENTS else _interleave_rows)(src, dst)
+    return dst
+
+
+def _pack_k_pairs(src, out):
+    K, C = src.shape
+    P, kp = out.shape[0], out.shape[1]
+    for p in prange(kp):
+        k = 2 * p
+        for j in range(P):
+            for u in range(PANEL):
+                c = j * PANEL + u
+                if c >= C:
+                    out[j, p, u] = 0
+                elif k + 1 < K:
+                    out[j, p, u] = bf16_bits(src[k, c]) | (bf16_bits(src[k + 1, c]) <<
+                                                           np.uint32(16))
+                else:
+                    out[j, p, u] = bf16_bits(src[k, c])
+
+
+_pack_k_pairs, _pack_k_pairs_serial = parallel_and_serial(_pack_k_pairs)
+
+
+def pack_k_pairs(src, out):
+    """out (P, kp, 16) uint32 = src (K, C) as panels of bfloat16 pairs of k (docstring
+    above)."""
+    K, C = src.shape
+    if out.shape != (-(-C // PANEL), -(-K // 2), PANEL) or src.strides[1] != 4:
+        raise ValueError(f"pack_k_pairs: out {out.shape} does not fit src {src.shape} "
+                         f"(strides {src.strides})")
+    with LAUNCH_LOCK:
+        (_pack_k_pairs_serial if src.size <= SERIAL_ELEMENTS else _pack_k_pairs)(src, out)
+    return out
 
 
 _FLAT_CHUNK = 1 << 14   # values per work item of widen/narrow
@@ -166,33 +236,41 @@ def pack_input_pairs(ws, out):
     return out
 
 
-def _project_bf16(a, wpack, c, spill):
-    M, kp = a.shape
-    C = c.shape[1]
+def _project_bf16(a, wpack, c, spill, by_columns):
+    M, C = c.shape
+    kp = wpack.shape[1]
     full = C // PANEL
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
     groups = min(panels, max(1, -(-8 // chunks)))   # gemm._project's split of few chunks
+    lda = M if by_columns else kp                   # uint32s between k-pairs / rows of A
     for item in prange(chunks * groups):
         chunk, group = item // groups, item % groups
         r0 = chunk * CHUNK
         rows = min(CHUNK, M - r0)
-        a_rows = a.ctypes.data + r0 * kp * 4
+        a_rows = a.ctypes.data + (r0 if by_columns else r0 * kp) * 4
         c_rows = c.ctypes.data + r0 * C * 4
         first, stop = group * panels // groups, (group + 1) * panels // groups
         whole = min(stop, full)
         p = first
         while p + QUAD <= whole:
-            panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, kp * PANEL, QUAD,
-                            c_rows + p * PANEL * 4, C, kp)
+            if by_columns:
+                panel_gemm_bf16_cols(a_rows, lda, rows, wpack[p].ctypes.data, kp * PANEL,
+                                     QUAD, c_rows + p * PANEL * 4, C, kp)
+            else:
+                panel_gemm_bf16(a_rows, lda, rows, wpack[p].ctypes.data, kp * PANEL, QUAD,
+                                c_rows + p * PANEL * 4, C, kp)
             p += QUAD
         for p in range(p, stop):
-            if p < full:
-                panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, 0, 1,
-                                c_rows + p * PANEL * 4, C, kp)
+            to, ldc = c_rows + p * PANEL * 4, C
+            if p >= full:
+                to, ldc = np.int64(spill[chunk].ctypes.data), PANEL
+            if by_columns:
+                panel_gemm_bf16_cols(a_rows, lda, rows, wpack[p].ctypes.data, 0, 1, to, ldc,
+                                     kp)
             else:
-                panel_gemm_bf16(a_rows, kp, rows, wpack[p].ctypes.data, 0, 1,
-                                spill[chunk].ctypes.data, PANEL, kp)
+                panel_gemm_bf16(a_rows, lda, rows, wpack[p].ctypes.data, 0, 1, to, ldc, kp)
+            if p >= full:
                 for i in range(rows):
                     for u in range(C - full * PANEL):
                         c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
@@ -201,9 +279,13 @@ def _project_bf16(a, wpack, c, spill):
 _project_bf16, _project_bf16_serial = parallel_and_serial(_project_bf16)
 
 
-def project_bf16(a, wpack, c, spill):
-    """c = a @ W^T in float32 from bfloat16 pairs (docstring above)."""
+def project_bf16(a, wpack, c, spill, by_columns=False):
+    """c = A @ W^T in float32 from bfloat16 pairs (docstring above)."""
+    M, kp = (a.shape[1], a.shape[0]) if by_columns else a.shape
+    if (M, kp) != (c.shape[0], wpack.shape[1]) or wpack.shape[0] * PANEL < c.shape[1]:
+        raise ValueError(f"project_bf16: a {a.shape} (by_columns={by_columns}), wpack "
+                         f"{wpack.shape} and c {c.shape} do not fit")
     with LAUNCH_LOCK:
-        small = a.shape[0] * a.shape[1] * 2 * c.shape[1] <= SERIAL_WORK
-        (_project_bf16_serial if small else _project_bf16)(a, wpack, c, spill)
+        small = M * kp * 2 * c.shape[1] <= SERIAL_WORK
+        (_project_bf16_serial if small else _project_bf16)(a, wpack, c, spill, by_columns)
     return c

@@ -251,13 +251,15 @@ def _function(module, name, intp, nargs, emit):
 
 
 def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
-                       itemsize, transposed, tile):
+                       itemsize, transposed, tile, a_by_columns=False):
     """The whole product over `rows` rows and `npanels` panels: the panels in balanced
     groups (panels_per_tile(dtype)), each group's rows in balanced tiles (20 rows: 4 x 5,
     not 6+6+6+2: a thin tail tile does a fraction of a full one's FMAs per panel load),
     each tile a call of its own function tile(height, group), picked by a switch on its
     height. `itemsize` is the byte size of A's, the panels' and C's elements (bf16.py's
-    uint32 pairs too). Shared by this file's kernels and bf16.py's."""
+    uint32 pairs too). With `a_by_columns` A is stored transposed (row r of A is column r
+    of the array, lda apart per k): a tile's rows start r elements in, not r*lda.
+    Shared by this file's kernels and bf16.py's."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
@@ -274,7 +276,8 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
         with cgutils.for_range(builder, tiles) as loop:
             r = builder.load(done)
             height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
-            a_r = builder.add(a, builder.mul(builder.mul(r, lda), const(itemsize)))
+            a_r = builder.add(a, builder.mul(r if a_by_columns else builder.mul(r, lda),
+                                             const(itemsize)))
             c_r = builder.add(group_c, builder.mul(r, const(itemsize)) if transposed else
                               builder.mul(builder.mul(r, ldc), const(itemsize)))
             after = fn.append_basic_block()

@@ -1,7 +1,8 @@
 """fusedrnn.cpu.lowlevel.bf16gemm: the bfloat16 rounding against ml_dtypes' (NaN, the
-infinities, -0, overflow, ties, the odd-K pad), both packers against bf16.pack_pairs's
-layout, and the input projection against float64 on the same bfloat16 values, serial and
-parallel builds, with a partial last panel and several row chunks. The packers and the
+infinities, -0, overflow, ties, the odd-K pad), the packers against bf16.pack_pairs's
+layout, and the input projection and the by-columns product (the weight gradients')
+against float64 on the same bfloat16 values, serial and parallel builds, with a partial
+last panel and several row chunks. The packers and the
 rounding are plain Numba; the projection needs AVX512-BF16 (skipped, saying so, where the
 CPU lacks it, as test_bf16.py's tile)."""
 import ml_dtypes
@@ -87,3 +88,58 @@ def test_project_bf16_against_float64(M, K, C):
     # products of bfloat16s are exact in float32; only the float32 sums round
     assert np.max(np.abs(c - want)) <= 4 * K * 2.0 ** -24 * np.max(np.abs(a).astype(
         np.float64) @ np.abs(w).astype(np.float64).T)
+
+
+def strided(values, rng):
+    """`values` (K, M) as a column block of a wider array (unit column stride, a longer
+    row stride), as the backward's dG columns of one direction arrive."""
+    K, M = values.shape
+    wide = rng.standard_normal((K, M + 5)).astype(np.float32)
+    wide[:, 2:M + 2] = values
+    return wide[:, 2:M + 2]
+
+
+@pytest.mark.parametrize("K,M", [(7, 5), (6, 33), (1200, 700)])   # odd K; serial, parallel
+def test_interleave_rows_pairs_row_2p_with_2p_plus_1(K, M):
+    rng = np.random.default_rng(K + M)
+    src = strided(rng.standard_normal((K, M)).astype(np.float32), rng)
+    kp = -(-K // 2)
+    dst = np.full((kp, M), 0xDEADBEEF, np.uint32)
+    lowlevel.interleave_rows(src, dst)
+    halves = dst.view(np.uint16).reshape(kp, M, 2)          # (low, high) of each pair
+    want = np.zeros((2 * kp, M), np.uint16)
+    want[:K] = src.astype(BF16).view(np.uint16)
+    assert np.array_equal(halves[:, :, 0], want[0::2]) and np.array_equal(halves[:, :, 1],
+                                                                          want[1::2])
+    with pytest.raises(ValueError, match="does not fit"):
+        lowlevel.interleave_rows(src, dst[:, 1:])
+
+
+@pytest.mark.parametrize("K,C", [(7, 5), (6, 33), (1200, 700)])
+def test_pack_k_pairs_is_pack_pairs_of_the_rounded_matrix(K, C):
+    rng = np.random.default_rng(K * C)
+    src = strided(rng.standard_normal((K, C)).astype(np.float32), rng)
+    out = np.full((-(-C // PANEL), -(-K // 2), PANEL), 0xDEADBEEF, np.uint32)
+    lowlevel.pack_k_pairs(src, out)
+    assert np.array_equal(out, lowlevel.pack_pairs(src.astype(BF16)))
+    with pytest.raises(ValueError, match="does not fit"):
+        lowlevel.pack_k_pairs(src, out[:, 1:])
+
+
+@needs_bf16
+@pytest.mark.parametrize("K,M,C", [(7, 5, 3), (301, 3 * CHUNK + 7, 70), (6000, 800, 256)])
+def test_project_bf16_by_columns_is_a_transposed_product(K, M, C):
+    """A^T @ B with A (K, M) interleaved by rows (the weight gradients' dG^T @ X)."""
+    rng = np.random.default_rng(K + M + C)
+    a, b = exact((K, M), rng), exact((K, C), rng, 0.05)
+    kp = -(-K // 2)
+    a_pairs = lowlevel.interleave_rows(a, np.empty((kp, M), np.uint32))
+    b_pairs = lowlevel.pack_k_pairs(b, np.empty((-(-C // PANEL), kp, PANEL), np.uint32))
+    c = np.full((M, C), np.nan, np.float32)
+    spill = np.empty((-(-M // CHUNK), CHUNK, PANEL), np.float32)
+    lowlevel.project_bf16(a_pairs, b_pairs, c, spill, by_columns=True)
+    want = a.T.astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(c - want)) <= 4 * K * 2.0 ** -24 * np.max(
+        np.abs(a.T).astype(np.float64) @ np.abs(b).astype(np.float64))
+    with pytest.raises(ValueError, match="do not fit"):
+        lowlevel.project_bf16(a_pairs, b_pairs, c[:-1], spill, by_columns=True)
