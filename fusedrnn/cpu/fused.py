@@ -50,7 +50,7 @@ from numba import prange
 
 from ..config import CELLS
 from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, bf16_bits, claim, finish,
-                       new_counters, pack_input_pairs, pack_input_weights, pack_panel,
+                       new_counters, pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
                        round_rows, row_add, row_add3, row_copy, zero_like)
@@ -274,8 +274,11 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_forward)
 
 
-def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
-    """The backward twin of layer_forward (arguments: FusedLayer.backward)."""
+def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=False):
+    """The backward twin of layer_forward (arguments: FusedLayer.backward). With `bf16`
+    the recurrent product dh_rec = dg_later @ W_h is vdpbf16ps's: each step also writes
+    its dg rounded to bfloat16 into dg16 (two rows, by step parity), and the next step
+    multiplies those by W_h's pairs (wpairs_rows)."""
     itemsize = np.dtype(dtype).itemsize
     row = TILE_GROUPS * PANEL
     # Backward tile groups: 0 dh_rec; 1 dh; 2 dc in; 3..6 record; 7 h_prev; 8 c_prev; 9 c_t;
@@ -288,8 +291,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
     dx_out = _columns(*(_DX + g for g in range(4)))
 
     def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, counters,
-                       workers):
+                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, dg16,
+                       wpairs_rows, counters, workers):
         if not parallel:
             workers = 1
         T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
@@ -303,7 +306,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
         like = zero_like(dgx)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
-        blocks = wpack_rows.shape[0]
+        blocks = (wpairs_rows if bf16 else wpack_rows).shape[0]
+        kp = dg16.shape[2] // 2                             # bf16: pairs of dg per row
         for worker in prange(workers):   # each walks every step (workshare.py)
             for step in range(T):
                 t = T - 1 - step if d == 0 else step           # forward order reversed
@@ -320,7 +324,10 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
                     j0 = b * PANEL
                     width = min(PANEL, H - j0)
                     dh_rec = tile.ctypes.data + _DHR * PANEL * itemsize
-                    if step > 0:   # dh_rec = dg_later @ W_h for this block's units
+                    if step > 0 and bf16:   # the same product from bfloat16 pairs
+                        panel_gemm_bf16(dg16.ctypes.data + ((step - 1) % 2) * N * kp * 4, kp,
+                                        N, wpairs_rows[b].ctypes.data, 0, 1, dh_rec, row, kp)
+                    elif step > 0:   # dh_rec = dg_later @ W_h for this block's units
                         panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
                                    wpack_rows[b].ctypes.data, 0, 1, dh_rec, row, GH, like)
                     else:
@@ -343,6 +350,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
                                     dgx[t, n, col + g * H + j0 + u] = 0
                                     if split:
                                         dgh[t, n, col + g * H + j0 + u] = 0
+                                    if bf16:
+                                        dg16[step % 2, n, g * H + j0 + u] = 0
                             row_add(dh_carry_n, dh_carry_n, dh_rec_n, width, like)
                             continue
                         dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
@@ -384,6 +393,12 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True):
                             if split:
                                 row_copy(dgh_n + g * H * itemsize,
                                          trow + (_SV + g) * PANEL * itemsize, width, like)
+                        if bf16:   # the next step's product reads these, rounded
+                            for g in range(gates):
+                                src = rec_in[g] if split else dx_out[g]
+                                for u in range(width):
+                                    dg16[step % 2, n, g * H + j0 + u] = np.uint16(
+                                        bf16_bits(tile[n, src + u]))
                         row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
                         if has_c:
                             row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
@@ -451,8 +466,11 @@ class FusedLayer:
         self._no_h16 = np.empty((0, 0, 0, 0), np.uint16)
         self._no_pairs = np.empty((0, 0, 0, 0), np.uint32)
         self._backward, self._backward_serial = (
-            _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel)
+            _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel,
+                                 bf16=bf16)
             for parallel in (True, False))
+        self._no_dg16 = np.empty((0, 0, 0), np.uint16)
+        self._no_pairs3 = np.empty((0, 0, 0), np.uint32)
 
     def forward_scratch(self, config, steps, batch):
         """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
@@ -481,10 +499,14 @@ class FusedLayer:
                 "x_cols": ((columns * max_in * PANEL) if single else 0,),   # flat: any K
                 "h_cols": (columns if single else 0, H, PANEL)}
 
-    @staticmethod
-    def backward_scratch(config, batch):
-        """W_h packed by rows (pack_recurrent_rows); backward also uses forward's tiles."""
-        return {"wpack_rows": (panels(config.recurrent_size), config.gate_rows, PANEL)}
+    def backward_scratch(self, config, batch):
+        """W_h packed by rows (pack_recurrent_rows), or with bf16 as pairs (pack_k_pairs)
+        beside two rows of bfloat16 dg (float32-sized, viewed as uint32 / uint16); backward
+        also uses forward's tiles."""
+        B, GH, kp = panels(config.recurrent_size), config.gate_rows, -(-config.gate_rows // 2)
+        return {"wpack_rows": (0 if self.bf16 else B, GH, PANEL),
+                "wpairs_rows": (B if self.bf16 else 0, kp, PANEL),
+                "dg16": (2 if self.bf16 else 0, batch, kp)}
 
     def project(self, x2d, w_xs, out, scratch):
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
@@ -578,21 +600,36 @@ class FusedLayer:
             dh_carry    (N, H)          in/out  must be 0 on entry; on exit the part of
                                              dh_0 that bypasses W_h
             dc_carry    (N, H)          in/out  dcy on entry, dc_0 on exit; (N, 0) else
-            scratch     .tiles (B, N, 256) and .wpack_rows, as carved
+            scratch     .tiles (B, N, 256) and .wpack_rows, as carved; with bf16
+                        .wpairs_rows (W_h as pack_k_pairs's panels) and .dg16 instead
+                        of .wpack_rows: the recurrent product on vdpbf16ps (design-size
+                        loop: LSTM 109 -> 101 ms, GRU 88 -> 73, rnn_tanh 37 -> 28;
+                        bench/results/cpu-kernel-notes.md#bf16-the-training-gemms)
         On exit dh_0 = dg_first @ W_h + dh_carry, where dg_first is dgh (or dgx) at the
         direction's first step; the caller runs that last GEMM."""
         T, N, GH = dy.shape[0], dy.shape[1], w_h.shape[0]
         # At T=1 the loop never multiplies by W_h (its one step takes dh_rec0), so nothing
         # is packed, and the pointwise work alone decides the build.
-        wpack_rows = scratch.wpack_rows if T == 1 else pack_recurrent_rows(w_h,
-                                                                           scratch.wpack_rows)
         serial = T == 1 and N * GH <= SERIAL_POINTWISE
         kernel = self._backward_serial if serial else self._backward
+        wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
+        if self.bf16:
+            wpairs_rows = scratch.wpairs_rows.view(np.uint32)
+            dg16 = scratch.dg16.view(np.uint16)    # (2, N, 2*kp)
+            if T > 1:
+                pack_k_pairs(w_h, wpairs_rows)
+                dg16[:, :, GH:] = 0                # odd G*H: the pad multiplies 0
+            blocks = wpairs_rows.shape[0]
+        else:
+            if T > 1:
+                wpack_rows = pack_recurrent_rows(w_h, wpack_rows)
+            blocks = wpack_rows.shape[0]
         scalar = self.dtype.type
-        share = _workshare(T, wpack_rows.shape[0], serial)
+        share = _workshare(T, blocks, serial)
         with LAUNCH_LOCK:
             kernel(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
-                   scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags, *share)
+                   scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags, dg16,
+                   wpairs_rows, *share)
 
 
 _layers: dict = {}
