@@ -8,7 +8,20 @@ libgomp before torch does, which a library cannot ensure).
 Measured: bench/results/cpu-kernel-notes.md#threads-the-threading-layer
 
 So, unless the user chose a layer (NUMBA_THREADING_LAYER or numba.config), we select
-workqueue. Its workers sleep between launches, but it aborts the process if two
+workqueue, except in a torch program (torch loaded before this module: fusedrnn.torch
+imports it first). There numpy's BLAS runs on one thread during our calls
+(BlasOneThread) and the ops between ours are torch's, whose OpenMP threads spin after
+each op; our kernels started on workqueue's sleeping workers beside them lost a core's
+share: the design-size bf16 modules ran 13-20% slower than the op alone (LSTM inference
+90-104 ms against 85). On Numba's OpenMP layer the same benchmark ran faster in every
+case (LSTM inference 0.73 -> 0.88 of torch, training 1.57 -> 1.78; GRU 1.18 -> 1.35,
+1.15 -> 1.27; rnn_tanh 1.07 -> 1.30, 1.01 -> 1.25) and the float32 train steps too
+(encoder 68-72 -> 53-54 ms, acoustic 365-373 -> 326-328), the neighbour's time about
+the same. So in a torch program the layer is OpenMP (its own libgomp, loaded here, with
+a short spin: GOMP_SPINCOUNT below), where Numba has it.
+Measured: bench/results/cpu-kernel-notes.md#threads-openmp-in-a-torch-program
+
+Workqueue's workers sleep between launches, but it aborts the process if two
 Python threads launch parallel kernels at once (tests/cpu/test_threads.py shows the
 abort without the lock), so while it is the layer, every fusedrnn kernel launch holds
 LAUNCH_LOCK; the GEMMs between launches do not. With a thread-safe layer (omp, tbb)
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import types
 import warnings
@@ -41,11 +55,33 @@ def _running_layer():
         return None
 
 
+# Spin iterations of the OpenMP layer's threads before they sleep (libgomp's default is
+# 300000, milliseconds on these cores, in which they would hold a core torch's next op
+# wants). Set only for the libgomp this module loads, and only if the user set none.
+OPENMP_SPIN = "10000"
+
+
+def _openmp_layer_loads():
+    """Load Numba's OpenMP layer (and with it a libgomp, reading GOMP_SPINCOUNT now);
+    False where this Numba has none."""
+    saved = os.environ.get("GOMP_SPINCOUNT")
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+    except ImportError:
+        return False
+    finally:
+        if saved is None:
+            del os.environ["GOMP_SPINCOUNT"]
+    return True
+
+
 _user_choice = "NUMBA_THREADING_LAYER" in os.environ or numba.config.THREADING_LAYER != "default"
 LAYER = _running_layer()
 if LAYER is None:
     if not _user_choice:
-        numba.config.THREADING_LAYER = "workqueue"
+        numba.config.THREADING_LAYER = (
+            "omp" if "torch" in sys.modules and _openmp_layer_loads() else "workqueue")
     LAYER = numba.config.THREADING_LAYER
 elif LAYER == "omp" and not _user_choice:
     warnings.warn("fusedrnn: Numba's thread pool was started (OpenMP layer) before fusedrnn "

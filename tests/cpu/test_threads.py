@@ -1,5 +1,6 @@
 """fusedrnn.cpu.threads: concurrent calls from many Python threads (no abort, results
-identical to serial), and the parallel and serial builds of one kernel."""
+identical to serial), the threading layer chosen (OpenMP in a torch program, workqueue
+elsewhere), and the parallel and serial builds of one kernel."""
 import threading
 
 import numpy as np
@@ -69,6 +70,51 @@ def test_warns_when_numba_threads_started_first_on_a_spinning_layer():
             "assert any('started (OpenMP layer)' in str(x.message) for x in w), w\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop("NUMBA_THREADING_LAYER", None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("torch_first", [True, False])
+def test_the_layer_is_openmp_in_a_torch_program_and_workqueue_elsewhere(torch_first):
+    """Unless the user chose: in a torch program (torch loaded first) Numba's OpenMP layer,
+    whose threads do not lose the cores to torch's spinning ones (threads.py: the
+    measurement), loaded with a short GOMP_SPINCOUNT that is not left in the
+    environment; in a numpy program workqueue. Where this Numba has no OpenMP layer,
+    workqueue in both."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+        has_omp = True
+    except ImportError:
+        has_omp = False
+    want = "omp" if torch_first and has_omp else "workqueue"
+    code = ("import os, sys\n"
+            + ("import torch\n" if torch_first else "")
+            + "from fusedrnn.cpu import threads\n"
+            "import fusedrnn, numpy as np, numba\n"
+            "size = fusedrnn.param_size(mode='gru', input_size=4, state_size=8)\n"
+            "fusedrnn.RNN(np.ones((3, 2, 4), np.float32), np.ones(size, np.float32), "
+            "mode='gru', state_size=8, num_layers=1)\n"
+            f"assert threads.LAYER == numba.threading_layer() == {want!r}, threads.LAYER\n"
+            "assert 'GOMP_SPINCOUNT' not in os.environ\n"
+            "assert ('torch' in sys.modules) == " + str(torch_first) + "\n"
+            # on this layer too, calls from several Python threads equal serial ones
+            "import threading\n"
+            "x = np.random.default_rng(0).standard_normal((20, 3, 4)).astype(np.float32)\n"
+            "p = np.random.default_rng(1).standard_normal(size).astype(np.float32) * 0.3\n"
+            "want = fusedrnn.RNN(x, p, mode='gru', state_size=8, num_layers=1)\n"
+            "got = []\n"
+            "def work():\n"
+            "    for _ in range(50):\n"
+            "        got.append(fusedrnn.RNN(x, p, mode='gru', state_size=8, num_layers=1))\n"
+            "pool = [threading.Thread(target=work) for _ in range(4)]\n"
+            "[t.start() for t in pool]; [t.join() for t in pool]\n"
+            "assert len(got) == 200 and all(np.array_equal(g, want) for g in got)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    for name in ("NUMBA_THREADING_LAYER", "GOMP_SPINCOUNT"):
+        env.pop(name, None)
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
