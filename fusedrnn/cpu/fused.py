@@ -49,11 +49,11 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, bf16_bits, claim, finish,
-                       new_counters, pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
+from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_counters,
+                       pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
-                       round_rows, row_add, row_add3, row_copy, zero_like)
+                       round_row, round_rows, row_add, row_add3, row_copy, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -257,9 +257,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             h_new = trow + _H * PANEL * itemsize      # scatter
                             row_copy(h_next, h_new, width, like)
                             if bf16:   # h_t rounded, for the next step's product
-                                for u in range(width):
-                                    h16[d, nxt, n, j0 + u] = np.uint16(
-                                        bf16_bits(tile[n, h_out + u]))
+                                round_row(h16[d, nxt, n, j0:j0 + width],
+                                          tile[n, h_out:h_out + np.uint64(width)])
                             row_copy(y_row, h_new, width, like)
                             if has_c:
                                 row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
@@ -396,9 +395,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                         if bf16:   # the next step's product reads these, rounded
                             for g in range(gates):
                                 src = rec_in[g] if split else dx_out[g]
-                                for u in range(width):
-                                    dg16[step % 2, n, g * H + j0 + u] = np.uint16(
-                                        bf16_bits(tile[n, src + u]))
+                                round_row(dg16[step % 2, n, g * H + j0:g * H + j0 + width],
+                                          tile[n, src:src + np.uint64(width)])
                         row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
                         if has_c:
                             row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)

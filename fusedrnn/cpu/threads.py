@@ -29,7 +29,8 @@ no lock is taken.
 
 Numba fixes its layer when its thread pool starts (the first parallel kernel, or a
 call such as numba.get_num_threads()). If that happened before this module was
-imported, the running layer stays; we use it and warn when it is one that spins.
+imported, the running layer stays; we use it and warn when it is one that spins (OpenMP
+outside a torch program).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ if LAYER is None:
         numba.config.THREADING_LAYER = (
             "omp" if "torch" in sys.modules and _openmp_layer_loads() else "workqueue")
     LAYER = numba.config.THREADING_LAYER
-elif LAYER == "omp" and not _user_choice:
+elif LAYER == "omp" and not _user_choice and "torch" not in sys.modules:
     warnings.warn("fusedrnn: Numba's thread pool was started (OpenMP layer) before fusedrnn "
                   "could choose its layer; OpenMP threads spin against BLAS between steps and "
                   "calls run several times slower. Import fusedrnn.cpu before starting Numba's "

@@ -12,7 +12,7 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
     mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math
     bf16         HAS_BF16, panel_gemm_bf16, pack_pairs: the AVX512-BF16 register tile
                  (vdpbf16ps) and its panel layout
-    bf16gemm     bf16_bits, round_rows, interleave_rows, widen, narrow,
+    bf16gemm     bf16_bits, round_row, round_rows, interleave_rows, widen, narrow,
                  pack_recurrent_pairs, pack_input_pairs, pack_k_pairs, project_bf16: the
                  bfloat16 path's packers, conversions, input projection and the
                  training GEMMs' products
@@ -42,13 +42,13 @@ from .rows import row_add, row_add3, row_copy
 from .workshare import claim, finish, new_counters
 from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_cols
 from .bf16gemm import (bf16_bits, narrow, pack_input_pairs, pack_k_pairs, pack_recurrent_pairs,
-                       project_bf16, interleave_rows, round_rows, widen)
+                       project_bf16, interleave_rows, round_row, round_rows, widen)
 
 __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "fast_exp",
-           "finish", "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
-           "pack_k_pairs", "interleave_rows",
-           "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
-           "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_cols",
-           "panel_gemm_t", "panels",
-           "project", "project_bf16", "round_rows", "row_add", "row_add3", "row_copy", "select",
-           "sigmoid", "tanh", "tile_settings", "narrow", "widen", "zero_like"]
+           "finish", "interleave_rows", "narrow", "new_counters", "one_like",
+           "pack_input_pairs", "pack_input_weights", "pack_k_pairs", "pack_pairs",
+           "pack_panel", "pack_recurrent", "pack_recurrent_pairs", "pack_recurrent_rows",
+           "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_cols", "panel_gemm_t",
+           "panels", "project", "project_bf16", "round_row", "round_rows", "row_add",
+           "row_add3", "row_copy", "select", "sigmoid", "tanh", "tile_settings", "widen",
+           "zero_like"]
