@@ -37,7 +37,7 @@ from numba.core import codegen as numba_codegen
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-from .microkernel import PANEL, _function, emit_tiled_product
+from .microkernel import PANEL, _function, emit_tiled_product, panel_count
 
 __all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_cols"]
 
@@ -131,14 +131,9 @@ def _panel_gemm(by_columns):
     name = "panel_gemm_bf16_cols" if by_columns else "panel_gemm_bf16"
 
     def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
-        for arg in (a, lda, rows, panel, pstride, c, ldc, kp):
-            if not isinstance(arg, types.Integer):
-                return None
-        if not isinstance(npanels, types.IntegerLiteral):
-            return None        # Numba retries with the literal where there is one
-        count = npanels.literal_value
-        if count < 1:
-            raise ValueError(f"{name}: npanels must be >= 1, got {count}")
+        count = panel_count(name, (a, lda, rows, panel, pstride, c, ldc, kp), npanels)
+        if count is None:
+            return None
         if not HAS_BF16:
             raise NotImplementedError(f"{name}: this CPU has no AVX512-BF16")
 

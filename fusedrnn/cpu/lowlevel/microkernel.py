@@ -307,6 +307,20 @@ def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, tra
                        transposed=transposed, tile=tile)
 
 
+def panel_count(name, integers, npanels):
+    """The typing checks the panel-GEMM intrinsics share: every address and size an
+    integer, npanels a literal >= 1. Returns the count, or None where the types do not
+    fit (for npanels, Numba retries with the literal where there is one)."""
+    if not all(isinstance(arg, types.Integer) for arg in integers):
+        return None
+    if not isinstance(npanels, types.IntegerLiteral):
+        return None
+    count = npanels.literal_value
+    if count < 1:
+        raise ValueError(f"{name}: npanels must be >= 1, got {count}")
+    return count
+
+
 def _gemm_intrinsic(transposed):
     """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t: module docstring).
     `npanels` must be a compile-time constant (a literal, a global or a closure's int):
@@ -314,16 +328,9 @@ def _gemm_intrinsic(transposed):
 
     @intrinsic
     def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
-        for arg in (a, lda, rows, panel, pstride, c, ldc, k):
-            if not isinstance(arg, types.Integer):
-                return None
-        if like not in (types.float32, types.float64):
+        count = panel_count("panel_gemm", (a, lda, rows, panel, pstride, c, ldc, k), npanels)
+        if count is None or like not in (types.float32, types.float64):
             return None
-        if not isinstance(npanels, types.IntegerLiteral):
-            return None        # Numba retries with the literal where there is one
-        count = npanels.literal_value
-        if count < 1:
-            raise ValueError(f"panel_gemm: npanels must be >= 1, got {count}")
         single = like == types.float32
         dtype = np.dtype(np.float32 if single else np.float64)
         heights = [tile_height(dtype, g) for g in set(_groups(count, panels_per_tile(dtype)))]
