@@ -26,7 +26,8 @@ def register_array_type(package, handler):
 def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, state_size,
         num_layers, mode, bidirectional=False, p=0.0, state_outputs=False,
         projection_size=None, lstm_state_clip_min=None, lstm_state_clip_max=None,
-        lstm_state_clip_nan=False, use_sequence_length=False, train=None, seed=None):
+        lstm_state_clip_nan=False, use_sequence_length=False, train=None, seed=None,
+        _stored_as=None):
     """MXNet's RNN operator: the whole sequence, all layers and directions, in one call.
 
     data (T, N, I); parameters: the flat vector (see fusedrnn.layout); state
@@ -42,6 +43,11 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     torch.autograd differentiates (no handle is appended; see the torch integration's
     `rnn`). There `train` defaults to whether autograd will need a backward; for arrays,
     to False.
+
+    _stored_as (private; the torch integration's): "bfloat16" or "float16" where float32
+    CuPy data stands for data its caller holds in that dtype but could not hand over in it
+    (torch's CUDA bfloat16: CuPy has none). The op then runs as for data of that dtype
+    (the GPU's products on tensor cores), in float32 at its edges.
     """
     handler = _ARRAY_HANDLERS.get(type(data).__module__.split(".")[0])
     if handler is not None:
@@ -54,6 +60,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                        use_sequence_length=use_sequence_length, seed=seed)
     train = False if train is None else train
     backend = _backend_for(data)
+    _check_stored_as(backend, data, _stored_as)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,
                       state_size=state_size, num_layers=num_layers, mode=mode,
                       bidirectional=bidirectional, p=p, state_outputs=state_outputs,
@@ -62,8 +69,8 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                       lstm_state_clip_nan=lstm_state_clip_nan,
                       use_sequence_length=use_sequence_length, train=train, seed=seed)
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
-           call.dtype.name)   # (the name: bfloat16's str is any 2-byte void's)
-    op = _cached_op(backend, key, call)
+           call.dtype.name, _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
+    op = _cached_op(backend, key, call, _stored_as)
     with backend.device_context(call.data):
         reserve = op.take_reserve() if train else None
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
@@ -129,7 +136,7 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     dhy = _head_grad(backend, "dhy", dhy, (LD, N, R), call, call.state_outputs)
     dcy = _head_grad(backend, "dcy", dcy, (LD, N, cfg.state_size), call,
                      call.state_outputs and cfg.cell.has_cell_state)
-    op = _cached_op(backend, handle._key, call)
+    op = _cached_op(backend, handle._key, call, handle._key[-1])
     with backend.device_context(call.data):
         g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
                                                    call.state, call.state_cell, call.options,
@@ -141,11 +148,22 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
                         g_c0 if call.state_cell is not None else None)
 
 
-def _cached_op(backend, key, call):
+def _cached_op(backend, key, call, stored_as=None):
     def build():
         with backend.device_context(call.data):  # scratch lives on data's device
-            return RecurrentOp(backend, call.config, call.seq_len, call.batch, call.dtype)
+            return RecurrentOp(backend, call.config, call.seq_len, call.batch, call.dtype,
+                               stored_as)
     return thread_cache().get(key, build)
+
+
+def _check_stored_as(backend, data, stored_as):
+    if stored_as is None:
+        return
+    if stored_as not in ("bfloat16", "float16") or backend.name != "cuda" or \
+            getattr(data, "dtype", None) != np.float32:
+        raise ValueError(f"_stored_as: expected None, or 'bfloat16' / 'float16' with float32 "
+                         f"CuPy data, got {stored_as!r} with "
+                         f"{type(data).__name__} {getattr(data, 'dtype', '')}")
 
 
 def _head_grad(backend, name, value, shape, call, allowed):

@@ -113,7 +113,7 @@ class RecurrentOp:
 
     RESERVE_POOL = 1  # reserves kept for reuse; a training loop needs one
 
-    def __init__(self, backend, config, seq_len, batch, dtype):
+    def __init__(self, backend, config, seq_len, batch, dtype, stored_as=None):
         self.backend, self.config, self.xp = backend, config, backend.xp
         # dtype: the data's; self.dtype: the one everything inside runs in (config.PRECISIONS).
         self.io_dtype = dtype
@@ -124,8 +124,9 @@ class RecurrentOp:
         dtype = np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
+        # stored_as: float32 data standing for that half dtype (op.RNN's _stored_as).
         layer = backend.fused_layer(config, dtype, batch,
-                                    storage=self.io_dtype.name if self.converts else None)
+                                    storage=self.io_dtype.name if self.converts else stored_as)
         self.driver = FusedDriver(self, layer) if layer is not None else \
             StepDriver(self, *backend.cell_kernels(config.mode, dtype))
         # An inference forward hands such a layer the data as it came, unconverted.

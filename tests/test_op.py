@@ -120,3 +120,13 @@ def test_strided_and_negative_stride_inputs_are_read_correctly():
     assert wide[:, :, ::2].flags.c_contiguous is False
     strided = dict(case, data=wide[:, :, ::2])
     assert np.array_equal(fusedrnn.RNN(**strided, **kw), expected)
+
+
+@pytest.mark.parametrize("stored_as", ["bfloat16", "float16", "float32", 3])
+def test_stored_as_is_refused_outside_cupy_float32_data(stored_as):
+    """op.RNN's private _stored_as (torch's CUDA bfloat16 arriving as float32) applies to
+    CuPy float32 data only; numpy data is refused, naming it, whatever it says."""
+    case, kw, _ = make_case("gru", dtype=np.float32)
+    with pytest.raises(ValueError, match="_stored_as: expected None, or 'bfloat16'"):
+        fusedrnn.RNN(**case, **kw, _stored_as=stored_as)
+    assert fusedrnn.RNN(**case, **kw, _stored_as=None).dtype == np.float32

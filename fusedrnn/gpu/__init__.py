@@ -26,8 +26,9 @@ class GpuBackend:
 
     def fused_layer(self, config, dtype, batch, storage=None):
         """The persistent kernels where they fit on chip (persistent.py: the rule;
-        FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the per-step path."""
-        return cupy_persistent_layer(self.xp, config, dtype, batch)
+        FUSEDRNN_GPU_PERSISTENT=0 turns them off), else None: the per-step path. Half
+        `storage` runs their products on tensor cores where the device has them."""
+        return cupy_persistent_layer(self.xp, config, dtype, batch, storage)
 
     @staticmethod
     def blas_scope(config, seq_len, batch):

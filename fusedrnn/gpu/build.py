@@ -25,11 +25,17 @@ OPTIONS = ("--std=c++14",)
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
-def source_text(name):
-    """SOURCE_DIR/name with each #include "file" replaced by that file's text: CuPy keys
-    its disk cache on the text it is given, so an edit to an included file must change it."""
-    return _LOCAL_INCLUDE.sub(lambda match: source_text(match.group(1)),
-                              (SOURCE_DIR / name).read_text())
+def source_text(name, _pasted=None):
+    """SOURCE_DIR/name with each #include "file" replaced by that file's text, once (as
+    #pragma once would: pasted text is one file to NVRTC): CuPy keys its disk cache on the
+    text it is given, so an edit to an included file must change it."""
+    pasted = set() if _pasted is None else _pasted
+    pasted.add(name)
+
+    def paste(match):
+        included = match.group(1)
+        return "" if included in pasted else source_text(included, pasted)
+    return _LOCAL_INCLUDE.sub(paste, (SOURCE_DIR / name).read_text())
 
 
 class KernelFamily:

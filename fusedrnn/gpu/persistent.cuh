@@ -32,6 +32,10 @@
 //                        rows' stride) >= ceil(N/tile)*tile
 //   slices S >= 1        slices per item: of k in the forward, of each staged chunk of
 //                        gate rows in the backward (the last may be short or empty)
+//   precision            what the products multiply (tensorcore.cuh): kProductT, T itself
+//                        on CUDA cores, tile and slices as above; kProductF16 / kProductBF16,
+//                        operands rounded to float16 / bfloat16 on tensor cores (T float,
+//                        threads a multiple of 32), tile 1, slices of k-steps of 16
 //
 // persistent_forward<Cell, T>   (PERSISTENT_FORWARD_PARAMS; shared memory
 //                                (H*G*U + H*ldn + S*U*G*ldn) * sizeof(T), without the
@@ -46,6 +50,8 @@
 //   saved  (T, N, S*H)   out  training record (cells.cuh's rec) when has_record
 //   lengths (n_lengths)  in   per-sample lengths; n_lengths 0: every sample runs all T
 //   No output overlaps an input.
+//   With a half precision the shared memory is tensorcore.cuh's (mma_smem_bytes of
+//   forward_operands): W_h's rows and the staged state in half, S float partial sums.
 //
 // persistent_backward<Cell, T>  (PERSISTENT_BACKWARD_PARAMS; shared memory
 //                                (G*H*U + chunk*ldn + S*U*ldn) * sizeof(T))
@@ -58,12 +64,17 @@
 //   dc_carry (N, H)      in/out  dcy on entry, dc_0 on exit (has_cell)
 //   exchange (2, G*H, N) scratch: each step's recurrent-side gate gradients, transposed so
 //                        a block stages them coalesced; two buffers alternate by step
-//   chunk                rows of exchange staged in shared memory at a time (>= 1)
+//   chunk                rows of exchange staged in shared memory at a time (>= 1; with
+//                        a half precision a multiple of 16)
+//   With a half precision exchange holds (2, N, G*H) values of that precision (its first
+//   quarter), rows per sample as the product's A operand reads them, and the shared
+//   memory is mma_smem_bytes of backward_operands.
 //   On exit dh_0 = dg_first @ W_h + dh_carry; the caller runs that last GEMM (as for the
 //   CPU's fused loop, fusedrnn/cpu/fused.py).
 #pragma once
 
 #include "cells.cuh"
+#include "tensorcore.cuh"
 
 #if defined(__CUDACC__) && defined(FUSEDRNN_PHASE_CLOCKS)
 // Instrumented build only (fusedrnn/benchmark/gpu_phases.py compiles with
@@ -109,10 +120,10 @@ __host__ __device__ __forceinline__ T load_shared_state(const T* p) {
 #define FUSEDRNN_PERSISTENT_COMMON_PARAMS                                                \
   const idx_t *lengths, idx_t n_lengths, double clip_lo, double clip_hi, idx_t clip_flags, \
       idx_t steps, idx_t N, idx_t H, idx_t units, idx_t ldn, idx_t reverse, idx_t has_cell, \
-      idx_t tile, idx_t slices
+      idx_t tile, idx_t slices, idx_t precision
 #define FUSEDRNN_PERSISTENT_COMMON_ARGS                                                  \
   lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell, \
-      tile, slices
+      tile, slices, precision
 #define FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T_)                                           \
   const T_ *xproj, idx_t ld_x, idx_t x_col, const T_ *w_h, const T_ *bx, const T_ *bh,    \
       T_ *hs, T_ *cs, T_ *y, idx_t ld_y, idx_t y_col, T_ *saved, idx_t has_record,       \
@@ -138,6 +149,7 @@ struct PersistentCommon {
   idx_t clip_flags, steps, N, H, units, ldn, reverse, has_cell;
   idx_t tile, slices;   // the recurrent products' register tile and slices (of k, or of
                         // the backward's gate rows)
+  idx_t precision;      // ProductPrecision (tensorcore.cuh)
   // Forward order step -> t (the backward walks the forward order back).
   __host__ __device__ __forceinline__ idx_t forward_t(idx_t step) const {
     return reverse ? steps - 1 - step : step;
@@ -177,7 +189,7 @@ struct PersistentBackward {
 
 #define FUSEDRNN_PERSISTENT_COMMON_INIT                                                   \
   { lengths, n_lengths, clip_lo, clip_hi, clip_flags, steps, N, H, units, ldn, reverse, has_cell, \
-    tile, slices }
+    tile, slices, precision }
 #define FUSEDRNN_PERSISTENT_FORWARD_INIT                                                  \
   { xproj, ld_x, x_col, w_h, bx, bh, hs, cs, y, ld_y, y_col, saved, has_record,           \
     FUSEDRNN_PERSISTENT_COMMON_INIT }
@@ -237,6 +249,47 @@ __host__ __device__ void stage_state(const PersistentForward<T>& p, T* h_s, idx_
   stage_matrix(rows, int(p.c.N * p.c.H), int(p.c.H), h_s, 1, int(p.c.ldn), int(tid),
                int(threads));
 }
+
+// The tensor-core products' staging (tensorcore.cuh): dst[row * ld + col] = the half of
+// src[row * src_ld + col] for col < width, 0 for col in [width, width_pad), rows < rows.
+// src is float (a state another block wrote: read from L2) or already half (the backward's
+// exchange: copied); batched loads as in stage_matrix.
+template <int P>
+__host__ __device__ __forceinline__ half_bits as_half(float v) { return to_half<P>(v); }
+template <int P>
+__host__ __device__ __forceinline__ half_bits as_half(double v) { return to_half<P>(float(v)); }
+template <int P>
+__host__ __device__ __forceinline__ half_bits as_half(half_bits v) { return v; }
+
+template <int P, typename S>
+__host__ __device__ void stage_half_rows(const S* src, int rows, int width, int src_ld,
+                                         int width_pad, half_bits* dst, int ld, int tid,
+                                         int threads) {
+  const int count = rows * width_pad;
+  for (int base = tid; base < count; base += kStageBatch * threads) {
+    S v[kStageBatch];
+FUSEDRNN_UNROLL
+    for (int q = 0; q < kStageBatch; ++q) {
+      const int i = base + q * threads, row = i / width_pad, col = i - row * width_pad;
+      v[q] = (i < count && col < width) ? load_shared_state(src + row * src_ld + col) : S(0);
+    }
+FUSEDRNN_UNROLL
+    for (int q = 0; q < kStageBatch; ++q) {
+      const int i = base + q * threads, row = i / width_pad;
+      if (i < count) dst[row * ld + (i - row * width_pad)] = as_half<P>(v[q]);
+    }
+  }
+}
+
+// Where a product's partial sums are: slice s, output row r (forward: u*G + g; backward:
+// u), sample n at part_s[at(s, r, n)]. The CUDA-core products lay them out sample-fastest,
+// the tensor-core ones as their C tiles (sample rows).
+struct Partials {
+  idx_t slice, row, sample;
+  __host__ __device__ __forceinline__ idx_t at(idx_t s, idx_t r, idx_t n) const {
+    return s * slice + r * row + n * sample;
+  }
+};
 
 // The most samples an item of a recurrent product covers (its accumulators: G * kMaxTile
 // registers in the forward). The kernels trust the plan: tile is 1..kMaxTile
@@ -300,7 +353,21 @@ FUSEDRNN_UNROLL
 // in bench/results/gpu.md), where the loads of x and the biases overlap it.
 template <typename T>
 __host__ __device__ __forceinline__ bool product_phase(const PersistentForward<T>& p) {
-  return p.c.tile > 1 || p.c.slices > 1;
+  return p.c.precision != kProductT || p.c.tile > 1 || p.c.slices > 1;
+}
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ MmaOperands forward_operands(const PersistentForward<T>& p) {
+  return forward_operands(Cell::G, int(p.c.H), int(p.c.N), int(p.c.units));
+}
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ Partials forward_partials(const PersistentForward<T>& p) {
+  if (p.c.precision != kProductT) {
+    const MmaOperands o = forward_operands<Cell>(p);
+    return Partials{o.m_rows * o.ldc, 1, o.ldc};
+  }
+  return Partials{p.c.units * Cell::G * p.c.ldn, p.c.ldn, 1};
 }
 
 template <typename Cell, typename T>
@@ -334,9 +401,10 @@ __host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w
     }
     const T h_old = h_prev[nj], c_old = p.c.has_cell ? c_prev[nj] : T(0);
     if (product_phase(p)) {
+      const Partials at = forward_partials<Cell>(p);
       for (int g = 0; g < G; ++g) {   // the slices' partial sums, in slice order
-        T acc = part_s[(u * G + g) * ldn + n];
-        for (idx_t s = 1; s < p.c.slices; ++s) acc += part_s[((s * U + u) * G + g) * ldn + n];
+        T acc = part_s[at.at(0, u * G + g, n)];
+        for (idx_t s = 1; s < p.c.slices; ++s) acc += part_s[at.at(s, u * G + g, n)];
         r[g] += acc;
       }
     } else {
@@ -358,7 +426,62 @@ __host__ __device__ void forward_tasks(const PersistentForward<T>& p, const T* w
   }
 }
 
+// The tensor-core forward (tensorcore.cuh): B = this block's W_h rows in half, staged
+// once; each step A = h_{t-1} in half and the partial sums cleared, then mma_product.
+template <typename T>
+struct MmaShared {   // a block's shared memory under a half precision: B, A, partial sums
+  half_bits *b, *a;
+  T* part;
+};
+
+template <typename T>
+__host__ __device__ __forceinline__ MmaShared<T> carve_mma(void* base, const MmaOperands& o) {
+  half_bits* b = reinterpret_cast<half_bits*>(base);
+  MmaShared<T> m = {b, b + o.b_halves(), reinterpret_cast<T*>(b + o.b_halves() + o.a_halves())};
+  return m;
+}
+
+template <int P, typename Cell, typename T>
+__host__ __device__ void forward_mma_stage_weights(const PersistentForward<T>& p,
+                                                   const MmaShared<T>& m, idx_t block,
+                                                   idx_t tid, idx_t threads) {
+  // b[(u*G + g)*ldb + k] = W_h[g*H + j, k]; 0 past H, past the block's units and in the
+  // rows that pad G*U to whole tiles.
+  const MmaOperands o = forward_operands<Cell>(p);
+  const int G = Cell::G, H = int(p.c.H), U = int(p.c.units);
+  for (int i = int(tid); i < o.n_rows * o.k; i += int(threads)) {   // k fastest: coalesced
+    const int k = i % o.k, row = i / o.k, u = row / G, g = row % G, j = int(block) * U + u;
+    const bool real = u < U && j < H && k < H;
+    m.b[row * o.ldb + k] = to_half<P>(real ? float(p.w_h[idx_t(g * H + j) * H + k]) : 0.0f);
+  }
+}
+
+template <int P, typename Cell, typename T>
+__host__ __device__ void forward_mma_stage(const PersistentForward<T>& p, const MmaShared<T>& m,
+                                           idx_t step, idx_t tid, idx_t threads) {
+  const MmaOperands o = forward_operands<Cell>(p);
+  const int N = int(p.c.N), H = int(p.c.H);
+  const T* rows = p.hs + p.c.prev_row(p.c.forward_t(step)) * N * H;
+  stage_half_rows<P>(rows, N, H, H, o.k, m.a, o.lda, int(tid), int(threads));
+  for (int i = int(tid); i < int(p.c.slices) * o.m_rows * o.ldc; i += int(threads))
+    m.part[i] = T(0);
+}
+
 // ---- backward phases ----
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ MmaOperands backward_operands(const PersistentBackward<T>& p) {
+  return backward_operands(Cell::G, int(p.c.H), int(p.c.N), int(p.c.units), int(p.chunk));
+}
+
+template <typename Cell, typename T>
+__host__ __device__ __forceinline__ Partials backward_partials(const PersistentBackward<T>& p) {
+  if (p.c.precision != kProductT) {
+    const MmaOperands o = backward_operands<Cell>(p);
+    return Partials{o.m_rows * o.ldc, 1, o.ldc};
+  }
+  return Partials{p.c.units * p.c.ldn, p.c.ldn, 1};
+}
 
 template <typename Cell, typename T>
 __host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, T* w_s,
@@ -380,10 +503,12 @@ __host__ __device__ void backward_stage_weights(const PersistentBackward<T>& p, 
 // its own slots part_s[(s*U + u)*ldn + n], which gather the step's chunks; the cell
 // phase adds a unit's S slots in slice order.
 
-template <typename T>
+template <typename Cell, typename T>
 __host__ __device__ void backward_clear(const PersistentBackward<T>& p, T* part_s, idx_t tid,
                                         idx_t threads) {
-  const idx_t count = p.c.slices * p.c.units * p.c.ldn;
+  const MmaOperands o = backward_operands<Cell>(p);
+  const idx_t count = p.c.slices * (p.c.precision != kProductT ? idx_t(o.m_rows) * o.ldc
+                                                               : p.c.units * p.c.ldn);
   for (idx_t i = tid; i < count; i += threads) part_s[i] = T(0);
 }
 
@@ -441,28 +566,40 @@ FUSEDRNN_UNROLL
   }
 }
 
-template <typename Cell, typename T>
+// Writes gate row r of sample n into this step's half of the exchange: (G*H, N) values of
+// T, or with a half precision P (N, G*H) halves (the tensor-core product's A rows).
+template <int P, typename T>
+__host__ __device__ __forceinline__ void exchange_store(T* exchange, idx_t step, idx_t GH,
+                                                        idx_t N, idx_t r, idx_t n, T v) {
+  if (P == kProductT)
+    exchange[(step % 2) * GH * N + r * N + n] = v;
+  else
+    reinterpret_cast<half_bits*>(exchange)[(step % 2) * GH * N + n * GH + r] =
+        to_half<P>(float(v));
+}
+
+template <typename Cell, typename T, int P = kProductT>
 __host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T* part_s,
                                         idx_t block, idx_t tid, idx_t threads, idx_t step) {
   const int G = Cell::G, S = Cell::S;
-  const idx_t N = p.c.N, H = p.c.H, U = p.c.units;
+  const idx_t N = p.c.N, H = p.c.H, U = p.c.units, GH = G * H;
   const idx_t t = p.c.forward_t(p.c.steps - 1 - step);
-  T* current = p.exchange + (step % 2) * G * H * N;
   const StepInfo info = p.c.info(t);
+  const Partials at = backward_partials<Cell>(p);
   for (idx_t task = tid; task < U * N; task += threads) {
     const idx_t u = task / N, n = task % N, j = block * U + u;
     if (j >= H) continue;
     const idx_t nj = n * H + j, row = t * N + n;
-    T dh_rec = step == 0 ? p.dh_rec0[nj] : part_s[u * p.c.ldn + n];
+    T dh_rec = step == 0 ? p.dh_rec0[nj] : part_s[at.at(0, u, n)];
     if (step > 0)   // the slices' partial sums, in slice order
-      for (idx_t s = 1; s < p.c.slices; ++s) dh_rec += part_s[(s * U + u) * p.c.ldn + n];
+      for (idx_t s = 1; s < p.c.slices; ++s) dh_rec += part_s[at.at(s, u, n)];
     T* dgx = p.dgx + row * p.ld_dg + p.col + j;
     T* dgh = p.dgh + row * p.ld_dg + p.col + j;
     if (!info.active(n)) {   // no gate gradient; dh and dc pass on to the step before
       for (int g = 0; g < G; ++g) {
         dgx[g * H] = T(0);
         if (p.has_dgh) dgh[g * H] = T(0);
-        current[(g * H + j) * N + n] = T(0);
+        exchange_store<P>(p.exchange, step, GH, N, g * H + j, n, T(0));
       }
       p.dh_carry[nj] += dh_rec;
       continue;
@@ -480,11 +617,51 @@ __host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T*
     for (int g = 0; g < G; ++g) {
       dgx[g * H] = dx[g];
       if (p.has_dgh) dgh[g * H] = dr[g];
-      current[(g * H + j) * N + n] = dr[g];
+      exchange_store<P>(p.exchange, step, GH, N, g * H + j, n, dr[g]);
     }
     p.dh_carry[nj] = dh_c;
     if (has_cell) p.dc_carry[nj] = dc_c;
   }
+}
+
+// The tensor-core backward (tensorcore.cuh): B = this block's W_h columns in half, staged
+// once; per chunk of gate rows A = those rows of the previous step's exchange (already
+// half), then mma_product adds into the step's partial sums (backward_clear zeroes them).
+template <int P, typename Cell, typename T>
+__host__ __device__ void backward_mma_stage_weights(const PersistentBackward<T>& p,
+                                                    const MmaShared<T>& m, idx_t block,
+                                                    idx_t tid, idx_t threads) {
+  // b[u*ldb + r] = W_h[r, j]; 0 past G*H (to whole k-steps), past the block's units and
+  // in the rows that pad U to a whole tile. u fastest: the reads are coalesced.
+  const MmaOperands o = backward_operands<Cell>(p);
+  const int H = int(p.c.H), U = int(p.c.units), GH = Cell::G * H, k = round_up(GH, 16);
+  for (int i = int(tid); i < o.n_rows * k; i += int(threads)) {
+    const int u = i % o.n_rows, r = i / o.n_rows, j = int(block) * U + u;
+    const bool real = u < U && j < H && r < GH;
+    m.b[u * o.ldb + r] = to_half<P>(real ? float(p.w_h[idx_t(r) * H + j]) : 0.0f);
+  }
+}
+
+template <int P, typename Cell, typename T>
+__host__ __device__ void backward_mma_chunk(const PersistentBackward<T>& p, const MmaShared<T>& m,
+                                            idx_t step, idx_t first, idx_t tid, idx_t threads) {
+  // A[n][c] = dg_later[n, first + c] for c < rows, 0 up to the next k-step.
+  const MmaOperands o = backward_operands<Cell>(p);
+  const int N = int(p.c.N), GH = Cell::G * int(p.c.H);
+  const int rows = GH - int(first) < int(p.chunk) ? GH - int(first) : int(p.chunk);
+  const half_bits* later = reinterpret_cast<const half_bits*>(p.exchange) +
+                           ((step + 1) % 2) * idx_t(GH) * N + first;   // previous step's
+  stage_half_rows<P>(later, N, rows, GH, round_up(rows, 16), m.a, o.lda, int(tid), int(threads));
+}
+
+template <int P, typename Cell, typename T>
+__host__ __device__ void backward_mma_product(const PersistentBackward<T>& p,
+                                              const MmaShared<T>& m, idx_t first, idx_t tid,
+                                              idx_t threads) {
+  const MmaOperands o = backward_operands<Cell>(p);
+  const int GH = Cell::G * int(p.c.H);
+  const int rows = GH - int(first) < int(p.chunk) ? GH - int(first) : int(p.chunk);
+  mma_product<P>(o, m.a, m.b + first, m.part, rows, int(p.c.slices), int(tid), int(threads));
 }
 
 #ifdef __CUDACC__
@@ -509,14 +686,64 @@ __device__ __forceinline__ void grid_barrier(unsigned long long* counter,
   __syncthreads();
 }
 
-// At most one block per SM (the host checks co-residency): __launch_bounds__ lets the
-// compiler spend up to 128 registers per thread at 512 threads.
+// At most one block per SM (the host checks co-residency): __launch_bounds__(512, 1) lets
+// the compiler spend up to 128 registers per thread at 512 threads. Without the 1 ptxas
+// kept some instantiations at 64 registers and spilled once the tensor-core paths joined.
 extern __shared__ __align__(16) double persistent_smem[];   // aligned for either T and vector loads
 
+// The forward with its product on tensor cores (precision P; the phases above).
+template <int P, typename Cell, typename T>
+__device__ void forward_mma_loop(unsigned long long* barrier, const PersistentForward<T>& p) {
+  const MmaOperands o = forward_operands<Cell>(p);
+  const MmaShared<T> m = carve_mma<T>(persistent_smem, o);
+  unsigned long long arrivals = 0;
+  forward_mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
+  for (idx_t step = 0; step < p.c.steps; ++step) {
+    FUSEDRNN_PHASE_START(since);
+    forward_mma_stage<P, Cell>(p, m, step, threadIdx.x, blockDim.x);
+    __syncthreads();   // (on the first step the weights too)
+    FUSEDRNN_PHASE_MARK(0, since);
+    mma_product<P>(o, m.a, m.b, m.part, int(p.c.H), int(p.c.slices), threadIdx.x, blockDim.x);
+    __syncthreads();
+    forward_tasks<Cell, T>(p, nullptr, nullptr, m.part, blockIdx.x, threadIdx.x, blockDim.x,
+                           step);
+    FUSEDRNN_PHASE_MARK(1, since);
+    grid_barrier(barrier, arrivals);
+    FUSEDRNN_PHASE_MARK(2, since);
+  }
+}
+
+template <int P, typename Cell, typename T>
+__device__ void backward_mma_loop(unsigned long long* barrier, const PersistentBackward<T>& p) {
+  const MmaShared<T> m = carve_mma<T>(persistent_smem, backward_operands<Cell>(p));
+  unsigned long long arrivals = 0;
+  backward_mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
+  __syncthreads();
+  for (idx_t step = 0; step < p.c.steps; ++step) {
+    FUSEDRNN_PHASE_START(since);
+    if (step > 0) {
+      backward_clear<Cell>(p, m.part, threadIdx.x, blockDim.x);
+      for (idx_t first = 0; first < Cell::G * p.c.H; first += p.chunk) {
+        backward_mma_chunk<P, Cell>(p, m, step, first, threadIdx.x, blockDim.x);
+        __syncthreads();
+        backward_mma_product<P, Cell>(p, m, first, threadIdx.x, blockDim.x);
+        __syncthreads();   // A is restaged next
+      }
+    }
+    FUSEDRNN_PHASE_MARK(0, since);
+    backward_tasks<Cell, T, P>(p, m.part, blockIdx.x, threadIdx.x, blockDim.x, step);
+    FUSEDRNN_PHASE_MARK(1, since);
+    grid_barrier(barrier, arrivals);   // every block's gate gradients are in `exchange`
+    FUSEDRNN_PHASE_MARK(2, since);
+  }
+}
+
 template <typename Cell, typename T>
-__global__ void __launch_bounds__(512) persistent_forward(unsigned long long* barrier,
+__global__ void __launch_bounds__(512, 1) persistent_forward(unsigned long long* barrier,
                                                           FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
   const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
+  if (precision == kProductF16) return forward_mma_loop<kProductF16, Cell>(barrier, p);
+  if (precision == kProductBF16) return forward_mma_loop<kProductBF16, Cell>(barrier, p);
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* h_s = w_s + H * Cell::G * units;
@@ -539,9 +766,11 @@ __global__ void __launch_bounds__(512) persistent_forward(unsigned long long* ba
 }
 
 template <typename Cell, typename T>
-__global__ void __launch_bounds__(512) persistent_backward(unsigned long long* barrier,
+__global__ void __launch_bounds__(512, 1) persistent_backward(unsigned long long* barrier,
                                                            FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
+  if (precision == kProductF16) return backward_mma_loop<kProductF16, Cell>(barrier, p);
+  if (precision == kProductBF16) return backward_mma_loop<kProductBF16, Cell>(barrier, p);
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* x_s = w_s + Cell::G * H * units;
@@ -551,7 +780,7 @@ __global__ void __launch_bounds__(512) persistent_backward(unsigned long long* b
   for (idx_t step = 0; step < steps; ++step) {
     FUSEDRNN_PHASE_START(since);
     if (step > 0) {
-      backward_clear(p, part_s, threadIdx.x, blockDim.x);
+      backward_clear<Cell>(p, part_s, threadIdx.x, blockDim.x);
       for (idx_t first = 0; first < Cell::G * H; first += chunk) {
         stage_exchange<Cell, T>(p, x_s, step, first, threadIdx.x, blockDim.x);
         __syncthreads();

@@ -13,6 +13,15 @@ block), so the grid is co-resident and can synchronise; else the per-step path (
 cuBLAS GEMM and one cell kernel per step). FUSEDRNN_GPU_PERSISTENT=0 turns the
 persistent kernels off.
 
+float16 and bfloat16 data (the op's float32 inside, config.PRECISIONS) take the products on
+tensor cores where the device has them (compute capability 8.0 and later;
+fusedrnn/gpu/tensorcore.cuh): W_h and the staged operands in half, float32 sums; the
+plan's shared memory then follows tensorcore.cuh's operand layout (_mma_forward,
+_mma_backward), and `slices` splits each product's k-steps of 16 so the tiles fill the
+block's warps. FUSEDRNN_GPU_TENSOR_CORES=0 keeps half data on the float32 products.
+Built and checked on the host harness (tensorcore.cuh's host stand-in for mma.sync);
+not yet measured on a GPU.
+
 Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
 and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
 in the backward). The plan keeps tile = slices = 1, the form measured in
@@ -37,6 +46,8 @@ from ..config import CELLS
 from .build import KernelFamily
 
 __all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "MAX_TILE", "DeviceLimits", "PersistentPlan",
+           "HALF_PRODUCTS", "MmaOperands", "mma_forward_operands", "mma_backward_operands",
+           "tensor_cores_enabled", "product_precision",
            "persistent_plan", "persistent_enabled", "tile_setting", "tile_slices", "persistent_forward_args",
            "persistent_backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
@@ -50,17 +61,57 @@ MAX_CHUNK = 512
 MAX_TILE = 4           # persistent.cuh's kMaxTile
 ENV = "FUSEDRNN_GPU_PERSISTENT"
 TILE_ENV = "FUSEDRNN_GPU_TILE"
+TENSOR_CORES_ENV = "FUSEDRNN_GPU_TENSOR_CORES"
+# persistent.cuh's `precision` argument (tensorcore.cuh's ProductPrecision) by storage dtype.
+HALF_PRODUCTS = {"float16": 1, "bfloat16": 2}
+MIN_TENSOR_CORE_CAPABILITY = 80   # mma.sync m16n8k16 with f16 and bf16 operands
 
 
 @dataclass(frozen=True)
 class DeviceLimits:
     sm_count: int
     smem_per_block: int   # the opt-in maximum of dynamic shared memory per block, bytes
+    capability: int = 0   # compute capability as 10*major + minor (0: unknown)
 
     @classmethod
     def of_current_cupy_device(cls, cupy):
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-        return cls(int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"]))
+        return cls(int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"]),
+                   10 * int(props["major"]) + int(props["minor"]))
+
+
+@dataclass(frozen=True)
+class MmaOperands:
+    """tensorcore.cuh's MmaOperands: A (m_rows x lda) and B (n_rows x ldb) halves, k the
+    product's extent in whole k-steps, the float partial sums' row stride ldc."""
+    m_rows: int
+    n_rows: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+
+    def smem_bytes(self, slices):
+        """tensorcore.cuh's mma_smem_bytes."""
+        return 2 * (self.n_rows * self.ldb + self.m_rows * self.lda) + \
+            4 * slices * self.m_rows * self.ldc
+
+
+def _round(x, to):
+    return -(-x // to) * to
+
+
+def mma_forward_operands(gates, hidden, batch, units):
+    """tensorcore.cuh's forward_operands (a host test compares the two)."""
+    k, n_rows = _round(hidden, 16), _round(gates * units, 8)
+    return MmaOperands(_round(batch, 16), n_rows, k, k + 8, k + 8, n_rows + 1)
+
+
+def mma_backward_operands(gates, hidden, batch, units, chunk):
+    """tensorcore.cuh's backward_operands, for chunks of `chunk` gate rows."""
+    n_rows = _round(units, 8)
+    return MmaOperands(_round(batch, 16), n_rows, chunk, chunk + 8,
+                       _round(gates * hidden, 16) + 8, n_rows + 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +127,7 @@ class PersistentPlan:
     tile: int = 1        # samples per item of both recurrent products
     slices: int = 1      # slices of the reduction per item: of k (forward), of each
                          # staged chunk of gate rows (backward)
+    precision: str | None = None   # "float16"/"bfloat16": the products on tensor cores
 
 
 def tile_slices(units, batch, hidden, tile):
@@ -85,16 +137,23 @@ def tile_slices(units, batch, hidden, tile):
     return max(1, min(max(1, hidden // 8), MAX_THREADS // items))
 
 
-def persistent_plan(gates, hidden, batch, itemsize, limits, tile=1, slices=1):
+def persistent_plan(gates, hidden, batch, itemsize, limits, tile=1, slices=1, precision=None):
     """The launch shape for one layer, or None where it does not fit on chip. `tile` and
     `slices` shape both recurrent products (module docstring); slices=None picks
-    tile_slices, fewer where their partial sums would not fit beside W_h."""
+    tile_slices, fewer where their partial sums would not fit beside W_h. `precision`
+    ("float16", "bfloat16") plans the tensor-core products (float32 arrays, tile 1)."""
     if not (isinstance(tile, int) and 1 <= tile <= MAX_TILE):
         raise ValueError(f"persistent_plan: tile must be an int in 1..{MAX_TILE}, got {tile!r}")
     if not (slices is None or (isinstance(slices, int) and slices >= 1)):
         raise ValueError(f"persistent_plan: slices must be an int >= 1, got {slices!r}")
     units = -(-hidden // limits.sm_count)
     blocks = -(-hidden // units)
+    if precision is not None:
+        if precision not in HALF_PRODUCTS or itemsize != 4 or tile != 1:
+            raise ValueError(f"persistent_plan: tensor-core products take precision in "
+                             f"{sorted(HALF_PRODUCTS)} with float32 arrays and tile 1, got "
+                             f"{precision!r}, itemsize {itemsize}, tile {tile}")
+        return _mma_plan(gates, hidden, batch, limits, slices, units, blocks, precision)
     ldn = (-(-batch // tile) * tile) | 1
     for count in ([slices] if slices else range(tile_slices(units, batch, hidden, tile), 0, -1)):
         plan = _plan(gates, hidden, batch, itemsize, limits, tile, count, units, blocks, ldn)
@@ -121,6 +180,41 @@ def _plan(gates, hidden, batch, itemsize, limits, tile, slices, units, blocks, l
     threads = min(MAX_THREADS, max(MIN_THREADS, -(-work // 32) * 32))
     return PersistentPlan(blocks, units, threads, ldn, chunk, forward_smem, backward_smem,
                           tile, slices)
+
+
+def _mma_plan(gates, hidden, batch, limits, slices, units, blocks, precision):
+    forward = mma_forward_operands(gates, hidden, batch, units)
+    tiles = forward.m_rows // 16 * (forward.n_rows // 8)
+    if slices is None:   # enough slices of k for one tile per warp of a full block
+        slices = max(1, min(forward.k // 16, MAX_THREADS // 32 // tiles))
+    forward_smem = forward.smem_bytes(slices)
+    # The backward stages as many gate rows at a time as fit, in whole k-steps, at most
+    # 512 (persistent.cuh's chunk) and at least 16.
+    fixed = mma_backward_operands(gates, hidden, batch, units, 0).smem_bytes(slices)
+    room = (limits.smem_per_block - fixed) // (2 * forward.m_rows) - 8
+    chunk = min(_round(gates * hidden, 16), MAX_CHUNK, room // 16 * 16)
+    if forward_smem > limits.smem_per_block or chunk < 16:
+        return None
+    backward_smem = mma_backward_operands(gates, hidden, batch, units, chunk).smem_bytes(slices)
+    # Whole warps (each C tile is a warp's), at least 256 threads for staging, and enough
+    # for one tile per warp or one cell task per thread.
+    work = max(units * batch, 32 * tiles * slices)
+    threads = min(MAX_THREADS, max(MIN_THREADS, -(-work // 32) * 32))
+    return PersistentPlan(blocks, units, threads, batch | 1, chunk, forward_smem, backward_smem,
+                          1, slices, precision)
+
+
+def tensor_cores_enabled(environ=os.environ):
+    """On unless FUSEDRNN_GPU_TENSOR_CORES=0 (half data on the float32 products)."""
+    return environ.get(TENSOR_CORES_ENV, "1") != "0"
+
+
+def product_precision(storage, limits, environ=os.environ):
+    """The plan's `precision` for data stored as `storage` (None: float32 and float64
+    data, a device before compute capability 8.0, or tensor cores turned off)."""
+    if storage not in HALF_PRODUCTS or limits.capability < MIN_TENSOR_CORE_CAPABILITY:
+        return None
+    return storage if tensor_cores_enabled(environ) else None
 
 
 def tile_setting(environ=os.environ):
@@ -150,7 +244,7 @@ def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d
     i = np.int64
     return (lengths, i(lengths.size), np.float64(clip_lo), np.float64(clip_hi), i(clip_flags),
             i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell),
-            i(plan.tile), i(plan.slices))
+            i(plan.tile), i(plan.slices), i(HALF_PRODUCTS.get(plan.precision, 0)))
 
 
 def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths,
@@ -238,14 +332,19 @@ def _cupy_launcher(cupy, function, plan, shared_mem, sm_count):
     return launch
 
 
-def cupy_persistent_layer(cupy, config, dtype, batch):
+def cupy_persistent_layer(cupy, config, dtype, batch, storage=None):
     """The persistent layer for this op on the current device, or None where the rule
-    (module docstring) sends it down the per-step path."""
+    (module docstring) sends it down the per-step path. storage: the data's dtype name
+    where the op converts it (half precision)."""
     if not persistent_enabled() or config.projection_size:
         return None
     limits = DeviceLimits.of_current_cupy_device(cupy)
+    tile, slices = tile_setting()
+    precision = product_precision(storage, limits)
+    if precision is not None:   # FUSEDRNN_GPU_TILE's slices apply; the tile is the mma's
+        tile, slices = 1, slices if os.environ.get(TILE_ENV, "").strip() else None
     plan = persistent_plan(config.cell.gates, config.state_size, batch,
-                           np.dtype(dtype).itemsize, limits, *tile_setting())
+                           np.dtype(dtype).itemsize, limits, tile, slices, precision)
     if plan is None:
         return None
     try:

@@ -132,7 +132,7 @@ _HANDLES = {}
 _next_key = itertools.count(1)
 
 _CONFIG = ("mode", "state_size", "num_layers", "bidirectional", "p", "projection_size",
-           "clip_min", "clip_max", "clip_nan", "use_lengths", "train", "seed")
+           "clip_min", "clip_max", "clip_nan", "use_lengths", "train", "seed", "stored_as")
 
 
 _SCALAR_DEFAULTS = dict(lstm_state_clip_min=None, lstm_state_clip_max=None,
@@ -140,13 +140,13 @@ _SCALAR_DEFAULTS = dict(lstm_state_clip_min=None, lstm_state_clip_max=None,
 
 
 def _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size, clip_min,
-               clip_max, clip_nan, use_lengths, train, seed):
-    """The operators' flat arguments as fusedrnn.RNN's keywords."""
+               clip_max, clip_nan, use_lengths, train, seed, stored_as):
+    """The operators' flat arguments as fusedrnn.RNN's keywords (stored_as "": None)."""
     return dict(mode=mode, state_size=state_size, num_layers=num_layers,
                 bidirectional=bidirectional, p=p, projection_size=projection_size or None,
                 lstm_state_clip_min=clip_min, lstm_state_clip_max=clip_max,
                 lstm_state_clip_nan=clip_nan, use_sequence_length=use_lengths, train=train,
-                seed=None if seed < 0 else seed)
+                seed=None if seed < 0 else seed, _stored_as=stored_as or None)
 
 
 def _release(key):
@@ -160,11 +160,13 @@ def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
            state_cell: Optional[Tensor], lengths: Optional[Tensor], mode: str, state_size: int,
            num_layers: int, bidirectional: bool, p: float, projection_size: int,
            clip_min: Optional[float], clip_max: Optional[float], clip_nan: bool,
-           use_lengths: bool, train: bool, seed: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+           use_lengths: bool, train: bool, seed: int,
+           stored_as: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, hy, cy, key): cy empty for cells without a cell state; key names the
-    training handle (0: none, an inference forward)."""
+    training handle (0: none, an inference forward). stored_as: op.RNN's _stored_as, ""
+    for none."""
     kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
-                        clip_min, clip_max, clip_nan, use_lengths, train, seed)
+                        clip_min, clip_max, clip_nan, use_lengths, train, seed, stored_as)
     arrays = [None if t is None else to_array(t)
               for t in (data, parameters, state, state_cell, lengths)]
     with _from_torch(data):
@@ -182,7 +184,7 @@ def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
 @rnn_op.register_fake
 def _rnn_shapes(data, parameters, state, state_cell, lengths, mode, state_size, num_layers,
                 bidirectional, p, projection_size, clip_min, clip_max, clip_nan, use_lengths,
-                train, seed):
+                train, seed, stored_as):
     T, N = data.shape[0], data.shape[1]
     D, R = (2 if bidirectional else 1), projection_size or state_size
     cy_shape = (num_layers * D, N, state_size) if CELLS[mode].has_cell_state else (0,)
@@ -197,13 +199,13 @@ def rnn_backward_op(key: Tensor, dout: Optional[Tensor], dhy: Optional[Tensor],
                     lengths: Optional[Tensor], mode: str, state_size: int, num_layers: int,
                     bidirectional: bool, p: float, projection_size: int,
                     clip_min: Optional[float], clip_max: Optional[float], clip_nan: bool,
-                    use_lengths: bool, train: bool, seed: int
+                    use_lengths: bool, train: bool, seed: int, stored_as: str
                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (data, parameters, state, state_cell) of the forward `key` names (empty
     tensors for absent states). A forward without a handle (inference mode) is recomputed
     in training mode first, without dropout."""
     kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
-                        clip_min, clip_max, clip_nan, use_lengths, train, seed)
+                        clip_min, clip_max, clip_nan, use_lengths, train, seed, stored_as)
     with _from_torch(data):
         handle = _HANDLES.get(int(key[0]))
         if handle is None:
@@ -272,7 +274,7 @@ def _autocast(*tensors):
 
 
 def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
-        state_outputs=False, train=None, **kwargs):
+        state_outputs=False, train=None, _stored_as="", **kwargs):
     """fusedrnn.RNN for torch tensors, differentiable with torch.autograd.
 
     `train` is training mode: dropout applies and, when autograd will need a backward,
@@ -291,11 +293,14 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     data, parameters, state, state_cell = _autocast(data, parameters, state, state_cell)
     if not _arrays_hold(data.dtype, data.device):
         # bfloat16 the arrays cannot hold (on CUDA; on CPU without ml_dtypes): the same
-        # float32 computation, with torch's casts (differentiable) on either side.
+        # float32 computation, with torch's casts (differentiable) on either side. On CUDA
+        # the op is told what the data was (op.RNN's _stored_as): its products then run in
+        # bfloat16, as for CPU bfloat16 data.
         with torch.autocast(data.device.type, enabled=False):
             outs = rnn(*(t if t is None or not t.is_floating_point() else t.float()
                          for t in (data, parameters, state, state_cell, sequence_length)),
-                       state_outputs=True, train=train, **kwargs)
+                       state_outputs=True, train=train,
+                       _stored_as="bfloat16" if data.device.type == "cuda" else "", **kwargs)
         outs = tuple(t.to(data.dtype) for t in outs)
         return outs if state_outputs else outs[0]
     needs_grad = torch.is_grad_enabled() and any(
@@ -326,7 +331,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
                   clip_max=kwargs.get("lstm_state_clip_max"),
                   clip_nan=kwargs.get("lstm_state_clip_nan", False),
                   use_lengths=kwargs.get("use_sequence_length", False), train=train,
-                  seed=-1 if kwargs.get("seed") is None else kwargs["seed"])
+                  seed=-1 if kwargs.get("seed") is None else kwargs["seed"], stored_as=_stored_as)
     out, hy, cy, _ = torch.ops.fusedrnn.rnn(data, parameters, state, state_cell, lengths,
                                             *config.values())
     if not state_outputs:

@@ -51,7 +51,9 @@ def _cell_launcher(function):
 def _persistent_launcher(function, launches):
     def launch(grid, block, args, shared_mem):
         launches.append((grid, block, shared_mem))
-        function(ctypes.c_longlong(grid[0]), ctypes.c_longlong(block[0]), *_c_args(args))
+        status = function(ctypes.c_longlong(grid[0]), ctypes.c_longlong(block[0]),
+                          ctypes.c_longlong(shared_mem), *_c_args(args))
+        assert status == 0, "the tensor-core layout needs more shared memory than the plan's"
     return launch
 
 
@@ -63,7 +65,9 @@ class HostCudaBackend:
     the persistent kernels, planned for that device; `threads` and `chunk` override the
     plan's threads per block (fewer threads than tasks exercises the kernels' striding)
     and the backward's staged rows (several chunks, a partial last one); `tile` and
-    `slices` go to persistent_plan (the forward's register tile and k-slices)."""
+    `slices` go to persistent_plan (the forward's register tile and k-slices); half
+    data runs the tensor-core products where `persistent` has compute capability 8.0 or
+    later, with `mma_slices` slices (None: the plan's choice)."""
     name = "cuda-host-emulation"
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
@@ -71,9 +75,11 @@ class HostCudaBackend:
     pair_products = staticmethod(GpuBackend.pair_products)
     astype = staticmethod(CPU.astype)
 
-    def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1):
+    def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1,
+                 mma_slices=None):
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
-        self.tile, self.slices = tile, slices
+        self.tile, self.slices, self.mma_slices = tile, slices, mma_slices
+        self.plans = []   # every persistent layer's plan, in order
         self.launches = []
 
     def matmul(self, a, b, out, transpose_a=False):
@@ -83,15 +89,18 @@ class HostCudaBackend:
     def fused_layer(self, config, dtype, batch, storage=None):
         if self.limits is None or config.projection_size:
             return None
+        precision = persistent.product_precision(storage, self.limits)
+        tile, slices = (1, self.mma_slices) if precision else (self.tile, self.slices)
         plan = persistent.persistent_plan(config.cell.gates, config.state_size, batch,
-                                          np.dtype(dtype).itemsize, self.limits, self.tile,
-                                          self.slices)
+                                          np.dtype(dtype).itemsize, self.limits, tile, slices,
+                                          precision)
         if plan is None:
             return None
         if self.threads:
             plan = replace(plan, threads=self.threads)
         if self.chunk:
             plan = replace(plan, chunk=self.chunk)
+        self.plans.append(plan)
         suffix = f"{config.mode}_{build.C_TYPES[np.dtype(dtype)]}"
         return persistent.PersistentLayer(
             config.mode, plan, self.xp,
@@ -105,14 +114,15 @@ class HostCudaBackend:
         return k.forward_step, k.backward_step
 
 
-def run_training(backend, case, kw, heads, dtype, opts=CallOptions(), projection_size=None):
+def run_training(backend, case, kw, heads, dtype, opts=CallOptions(), projection_size=None,
+                 stored_as=None):
     """A training forward, its backward and an inference forward on one fresh op: every
-    output and gradient, in order."""
+    output and gradient, in order (stored_as: op.RNN's _stored_as)."""
     T, N, I = case["data"].shape
     cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
                     num_layers=kw["num_layers"], bidirectional=kw["bidirectional"],
                     projection_size=projection_size)
-    op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype))
+    op = RecurrentOp(backend, cfg, T, N, np.dtype(dtype), stored_as)
     reserve = op.take_reserve()
     inputs = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
     outs = op.forward(*inputs, reserve)

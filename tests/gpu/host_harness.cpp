@@ -23,8 +23,9 @@ using namespace fusedrnn;
 FUSEDRNN_HOST_CELLS(CELL_ENTRIES)
 
 // ---- the persistent kernels (persistent.cuh), phase by phase ----
-// Entries take the device kernels' arguments after (blocks, threads); the grid barrier's
-// counter is unused here.
+// Entries take the device kernels' arguments after (blocks, threads, shared memory bytes),
+// and return 0, or 1 where the tensor-core layout needs more shared memory than the
+// launch gives; the grid barrier's counter is unused here.
 // The device kernels run these phases with __syncthreads / grid.sync between; here the
 // barriers are loop boundaries: every block's weights are staged, then per step each
 // block stages its state (all threads) before any of its tasks run, and every block
@@ -72,7 +73,8 @@ void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_B
   for (idx_t step = 0; step < steps; ++step)
     for (idx_t b = 0; b < blocks; ++b) {
       if (step > 0) {
-        for (idx_t tid = 0; tid < threads; ++tid) backward_clear(p, part_s.data(), tid, threads);
+        for (idx_t tid = 0; tid < threads; ++tid)
+          backward_clear<Cell>(p, part_s.data(), tid, threads);
         for (idx_t first = 0; first < Cell::G * H; first += chunk) {
           for (idx_t tid = 0; tid < threads; ++tid)
             stage_exchange<Cell, T>(p, x_s.data(), step, first, tid, threads);
@@ -86,16 +88,99 @@ void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_B
     }
 }
 
-#define PERSISTENT_ENTRIES(NAME, CELL, T)                                               \
-  extern "C" void persistent_forward_##NAME(idx_t blocks, idx_t threads, void*,       \
-                                            FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {   \
-    host_persistent_forward<CELL, T>(blocks, threads, FUSEDRNN_PERSISTENT_FORWARD_ARGS); \
-  }                                                                                     \
-  extern "C" void persistent_backward_##NAME(idx_t blocks, idx_t threads, void*,      \
-                                             FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) { \
-    host_persistent_backward<CELL, T>(blocks, threads, FUSEDRNN_PERSISTENT_BACKWARD_ARGS); \
+// The tensor-core forms (tensorcore.cuh). Each block's shared memory is the launch's
+// bytes, first filled with 0xff (NaN as float, float16 and bfloat16), so padding that
+// reached a result would show; mma.sync runs as tensorcore.cuh's host stand-in, lane by
+// lane (threads is a multiple of 32).
+typedef std::vector<std::vector<unsigned char>> BlockMemory;
+
+template <int P, typename Cell, typename T>
+int host_mma_forward(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<T>& p) {
+  const MmaOperands o = forward_operands<Cell>(p);
+  if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32) return 1;
+  BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
+  for (idx_t b = 0; b < blocks; ++b)
+    for (idx_t tid = 0; tid < threads; ++tid)
+      forward_mma_stage_weights<P, Cell>(p, carve_mma<T>(mem[b].data(), o), b, tid, threads);
+  for (idx_t step = 0; step < p.c.steps; ++step)
+    for (idx_t b = 0; b < blocks; ++b) {
+      const MmaShared<T> m = carve_mma<T>(mem[b].data(), o);
+      for (idx_t tid = 0; tid < threads; ++tid) forward_mma_stage<P, Cell>(p, m, step, tid, threads);
+      for (idx_t tid = 0; tid < threads; ++tid)
+        mma_product<P>(o, m.a, m.b, m.part, int(p.c.H), int(p.c.slices), int(tid), int(threads));
+      for (idx_t tid = 0; tid < threads; ++tid)
+        forward_tasks<Cell, T>(p, nullptr, nullptr, m.part, b, tid, threads, step);
+    }
+  return 0;
+}
+
+template <int P, typename Cell, typename T>
+int host_mma_backward(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<T>& p) {
+  const MmaOperands o = backward_operands<Cell>(p);
+  if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32 || p.chunk % 16) return 1;
+  BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
+  for (idx_t b = 0; b < blocks; ++b)
+    for (idx_t tid = 0; tid < threads; ++tid)
+      backward_mma_stage_weights<P, Cell>(p, carve_mma<T>(mem[b].data(), o), b, tid, threads);
+  for (idx_t step = 0; step < p.c.steps; ++step)
+    for (idx_t b = 0; b < blocks; ++b) {
+      const MmaShared<T> m = carve_mma<T>(mem[b].data(), o);
+      if (step > 0) {
+        for (idx_t tid = 0; tid < threads; ++tid) backward_clear<Cell>(p, m.part, tid, threads);
+        for (idx_t first = 0; first < Cell::G * p.c.H; first += p.chunk) {
+          for (idx_t tid = 0; tid < threads; ++tid)
+            backward_mma_chunk<P, Cell>(p, m, step, first, tid, threads);
+          for (idx_t tid = 0; tid < threads; ++tid)
+            backward_mma_product<P, Cell>(p, m, first, tid, threads);
+        }
+      }
+      for (idx_t tid = 0; tid < threads; ++tid)
+        backward_tasks<Cell, T, P>(p, m.part, b, tid, threads, step);
+    }
+  return 0;
+}
+
+template <typename Cell, typename T>
+int host_forward(idx_t blocks, idx_t threads, idx_t smem, FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
+  const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
+  if (precision == kProductF16) return host_mma_forward<kProductF16, Cell>(blocks, threads, smem, p);
+  if (precision == kProductBF16) return host_mma_forward<kProductBF16, Cell>(blocks, threads, smem, p);
+  host_persistent_forward<Cell, T>(blocks, threads, FUSEDRNN_PERSISTENT_FORWARD_ARGS);
+  return 0;
+}
+
+template <typename Cell, typename T>
+int host_backward(idx_t blocks, idx_t threads, idx_t smem, FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
+  const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
+  if (precision == kProductF16) return host_mma_backward<kProductF16, Cell>(blocks, threads, smem, p);
+  if (precision == kProductBF16) return host_mma_backward<kProductBF16, Cell>(blocks, threads, smem, p);
+  host_persistent_backward<Cell, T>(blocks, threads, FUSEDRNN_PERSISTENT_BACKWARD_ARGS);
+  return 0;
+}
+
+#define PERSISTENT_ENTRIES(NAME, CELL, T)                                                  \
+  extern "C" int persistent_forward_##NAME(idx_t blocks, idx_t threads, idx_t smem, void*, \
+                                           FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {        \
+    return host_forward<CELL, T>(blocks, threads, smem, FUSEDRNN_PERSISTENT_FORWARD_ARGS);   \
+  }                                                                                        \
+  extern "C" int persistent_backward_##NAME(idx_t blocks, idx_t threads, idx_t smem, void*, \
+                                            FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {       \
+    return host_backward<CELL, T>(blocks, threads, smem, FUSEDRNN_PERSISTENT_BACKWARD_ARGS); \
   }
 
 #define CELL_PERSISTENT_ENTRIES(MODE, CELL) \
   PERSISTENT_ENTRIES(MODE##_float, CELL, float) PERSISTENT_ENTRIES(MODE##_double, CELL, double)
 FUSEDRNN_HOST_CELLS(CELL_PERSISTENT_ENTRIES)
+
+// tensorcore.cuh's layout and conversions, for tests that hold them to persistent.py's
+// mirror and to numpy / ml_dtypes.
+extern "C" long long mma_forward_smem(int G, int H, int N, int units, int slices) {
+  return mma_smem_bytes(forward_operands(G, H, N, units), slices);
+}
+extern "C" long long mma_backward_smem(int G, int H, int N, int units, int chunk, int slices) {
+  return mma_smem_bytes(backward_operands(G, H, N, units, chunk), slices);
+}
+extern "C" void round_to_half(const float* x, long long n, int precision, unsigned short* out) {
+  for (long long i = 0; i < n; ++i)
+    out[i] = precision == kProductBF16 ? host_to_bf16(x[i]) : host_to_f16(x[i]);
+}

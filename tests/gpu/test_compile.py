@@ -81,6 +81,31 @@ def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
     assert all(int(r) <= 128 for r in re.findall(r"Used (\d+) registers", report))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_persistent_kernels_hold_both_tensor_core_products(arch, tmp_path):
+    """Each float instantiation carries mma.sync m16n8k16 for float16 and for bfloat16
+    operands (tensorcore.cuh), which ptxas builds for the arch (the tests above)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        _missing("nvcc")
+    names = [n for n in PERSISTENT_KERNELS.all_kernel_names() if n.endswith(", float>")]
+    (tmp_path / "k.cu").write_text(_instantiations(
+        "persistent.cuh", names,
+        lambda name, ctype: "unsigned long long*, FUSEDRNN_PERSISTENT_"
+                            f"{'FORWARD' if 'persistent_forward' in name else 'BACKWARD'}"
+                            f"_PARAMS({ctype})"))
+    result = subprocess.run([nvcc, "-std=c++14", f"-arch={arch}", "-ptx", "-I",
+                             str(build.SOURCE_DIR), str(tmp_path / "k.cu"), "-o",
+                             str(tmp_path / "k.ptx")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    bodies = re.split(r"\n\.(?:visible|weak) \.entry ", ptx)[1:]
+    assert len(bodies) == len(names) == 8
+    for body in bodies:
+        for operands in ("f16.f16", "bf16.bf16"):
+            assert f"mma.sync.aligned.m16n8k16.row.col.f32.{operands}.f32" in body
+
+
 def _load_nvrtc():
     candidates = []
     try:

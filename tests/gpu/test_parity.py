@@ -193,10 +193,12 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
 @pytest.mark.parametrize("path", ["0", "1"], ids=["per-step", "persistent"])
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
-    """CuPy float16: the op's conversions around the float32 kernels, as on the CPU, to
-    one unit in float16's last place (the float32 values inside differ by ~1e-7)."""
+    """CuPy float16 on the float32 products (FUSEDRNN_GPU_TENSOR_CORES=0): the op's
+    conversions around the float32 kernels, as on the CPU, to one unit in float16's last
+    place (the float32 values inside differ by ~1e-7)."""
     from fusedrnn.gpu import persistent
     monkeypatch.setenv(persistent.ENV, path)
+    monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "0")
     case, kw, heads = make_case(mode, T=7, N=5, I=6, H=16, L=2, D=2, seed=5)
     case = {k: None if v is None else v.astype(np.float16) for k, v in case.items()}
     heads = {k: None if v is None else v.astype(np.float16) for k, v in heads.items()}
@@ -208,6 +210,41 @@ def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
             assert a.dtype == np.float16
             a, b = cupy.asnumpy(a).astype(np.float64), b.astype(np.float64)
             assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(b), 2.0 ** -14))
+
+
+@pytest.mark.parametrize("L,D", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
+    """CuPy float16 through the persistent kernels' tensor-core products (tensorcore.cuh):
+    every output and gradient within test_precision's bound of the float64 op on the same
+    rounded inputs; the layers did take the tensor-core plan."""
+    from fusedrnn.gpu import persistent
+    from test_precision import assert_within, longest_product, rounded
+    monkeypatch.setenv(persistent.ENV, "1")
+    monkeypatch.delenv(persistent.TENSOR_CORES_ENV, raising=False)
+    plans = []
+    real = persistent.cupy_persistent_layer
+
+    def spy(*args):
+        layer = real(*args)
+        plans.append(None if layer is None else layer.plan.precision)
+        return layer
+    monkeypatch.setattr(gpu, "cupy_persistent_layer", spy)
+    case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=3)
+    half, exact = rounded(case, np.float16)
+    half_heads, exact_heads = rounded(heads, np.float16)
+    if not CELLS[mode].has_cell_state:
+        half_heads["dcy"] = exact_heads["dcy"] = None
+    got_outs, got_grads = _run(_on_gpu(half), kw, _on_gpu(half_heads))
+    want_outs, want_grads = _run(exact, kw, exact_heads)
+    assert plans and set(plans) == {"float16"}
+    K = longest_product(kw, 6)
+    names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
+                                                   "dstate_cell")
+    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_within(cupy.asnumpy(a), b, np.float16, K, name)
 
 
 # ---- the persistent kernels (fusedrnn/gpu/persistent.cuh), selected explicitly ----

@@ -42,9 +42,10 @@ def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype):
-    """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts: CuPy has no
-    bfloat16) on CUDA: outputs and gradients as the same module on the CPU, float16 to one
-    unit in the last place (the float32 values inside differ by ~1e-7)."""
+    """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts, the op told
+    the data was bfloat16: CuPy has none) on CUDA, whose persistent kernels run the
+    products on tensor cores: outputs and gradients as the same module on the CPU within
+    test_precision's bound, twice (each side is within it of the float64 result)."""
     torch.manual_seed(0)
     name = CELLS[mode].torch_class
     cpu = getattr(ft, name)(5, 16, num_layers=2, bidirectional=True).to(dtype)
@@ -56,13 +57,11 @@ def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype):
         out = module(inp)[0]
         out.float().square().sum().backward()
         outs.append((out.cpu(), module.weight_hh_l0.grad.cpu()))
+    u = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
     for a, b in zip(outs[1], outs[0]):
         assert a.dtype == dtype
         a, b = a.double(), b.double()
-        if dtype == torch.float16:
-            assert ((a - b).abs() <= 2.0 ** -10 * b.abs().clamp(min=2.0 ** -14)).all()
-        else:   # the CPU's bfloat16 products hold h in bfloat16: test_precision's bound, twice
-            assert (a - b).abs().max() <= 2 * 2 * 2.0 ** -8 * b.abs().max()
+        assert (a - b).abs().max() <= 2 * (2 * u + 16 * 32 ** 0.5 * 2.0 ** -24) * b.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

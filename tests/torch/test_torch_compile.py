@@ -99,13 +99,13 @@ def test_opcheck():
     data = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
     params = (0.3 * torch.randn(size, dtype=torch.float64)).requires_grad_(True)
     state = torch.randn(1, 2, 4, dtype=torch.float64, requires_grad=True)
-    config = ("gru", 4, 1, False, 0.0, 0, None, None, False, False, True, -1)
+    config = ("gru", 4, 1, False, 0.0, 0, None, None, False, False, True, -1, "")
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.fusedrnn.rnn.default,
                           (data, params, state, None, None, *config), test_utils=checks)
     torch.library.opcheck(torch.ops.fusedrnn.rnn.default,
                           (data.detach(), params.detach(), None, None, None,
-                           *config[:-2], False, -1), test_utils=checks)
+                           *config[:-3], False, -1, ""), test_utils=checks)
 
 
 def test_training_handles_are_released_with_their_graphs():
