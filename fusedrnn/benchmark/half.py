@@ -1,16 +1,22 @@
-"""bfloat16 on the CPU against torch's bfloat16, issue 25's targets: the design size
+"""Half precision against torch in the same dtype, issue 25's targets: the design size
 (T=300 N=20 I=H=800), inference and a training step (forward + backward of out.sum()),
 through the torch modules, each peer in its own process, the peers alternating round by
-round; fusedrnn in float32 beside them.
+round.
 
     python -m fusedrnn.benchmark.half [--rounds 2] [--modes lstm,gru,rnn_tanh]
+    python -m fusedrnn.benchmark.half --device cuda --dtypes float16,bfloat16 --modes lstm,gru
 
-Prints per round and peer the median of 5 blocks of 3 back-to-back calls, and the ratio
-of the medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is faster).
+CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32.
+CUDA: cuDNN (torch.nn) in the dtype, fusedrnn's persistent kernels with their tensor-core
+products, and fusedrnn with FUSEDRNN_GPU_TENSOR_CORES=0 (the same kernels' float32
+products on the half data). Prints per round and peer the median of 5 blocks of 3
+back-to-back calls (on CUDA each block ends with a synchronize), and the ratio of the
+medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is faster).
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 
@@ -18,22 +24,31 @@ from ..config import CELLS
 from .processes import alternate, seconds_per_call
 
 SHAPE = dict(T=300, N=20, I=800, H=800)
-PEERS = {"torch": ("torch.nn", "bfloat16"), "fusedrnn": ("fusedrnn.torch", "bfloat16"),
-         "fusedrnn-f32": ("fusedrnn.torch", "float32")}
+# peer: (module package, dtype: None for the run's, environment)
+PEERS = {
+    "cpu": {"torch": ("torch.nn", None, {}), "fusedrnn": ("fusedrnn.torch", None, {}),
+            "fusedrnn-f32": ("fusedrnn.torch", "float32", {})},
+    "cuda": {"torch": ("torch.nn", None, {}), "fusedrnn": ("fusedrnn.torch", None, {}),
+             "fusedrnn-f32-products": ("fusedrnn.torch", None,
+                                       {"FUSEDRNN_GPU_TENSOR_CORES": "0"})},
+}
 
 
-def _one(mode, peer, train):
+def _one(mode, peer, train, dtype, device):
     """Seconds per call of one peer (runs in its own process)."""
+    module_name, own_dtype, environ = PEERS[device][peer]
+    os.environ.update(environ)
     import torch
-    module_name, dtype = PEERS[peer]
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cell = CELLS[mode]
     import fusedrnn.torch as ft
     package = torch.nn if module_name == "torch.nn" else ft
     T, N, I, H = SHAPE["T"], SHAPE["N"], SHAPE["I"], SHAPE["H"]
-    module = cell.torch_module(package, input_size=I, hidden_size=H).to(getattr(torch, dtype))
-    x = torch.randn(T, N, I).to(getattr(torch, dtype))
+    dtype = getattr(torch, own_dtype or dtype)
+    module = cell.torch_module(package, input_size=I, hidden_size=H).to(device, dtype)
+    x = torch.randn(T, N, I).to(device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else None
 
     def call():
         if train:
@@ -42,29 +57,38 @@ def _one(mode, peer, train):
         else:
             with torch.no_grad():
                 module(x)
-    return seconds_per_call(call)
+    return seconds_per_call(call, sync=sync)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="lstm,gru,rnn_tanh")
-    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # mode infer|train peer
+    p.add_argument("--device", choices=tuple(PEERS), default="cpu")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated (default: bfloat16 on cpu, float16,bfloat16 on cuda)")
+    p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)   # mode phase dtype device peer
     args = p.parse_args(argv)
     if args.one:
-        print(_one(args.one[0], args.one[2], args.one[1] == "train"))
+        mode, phase, dtype, device, peer = args.one
+        print(_one(mode, peer, phase == "train", dtype, device))
         return
+    dtypes = args.dtypes or ("bfloat16" if args.device == "cpu" else "float16,bfloat16")
     T, N, I, H = SHAPE["T"], SHAPE["N"], SHAPE["I"], SHAPE["H"]
-    print(f"T={T} N={N} I={I} H={H}, 2 torch threads; ms per call (GFLOP/s)")
-    for mode in args.modes.split(","):
-        flops = 2 * T * N * CELLS[mode].gates * H * (I + H)
-        for phase in ("infer", "train"):
-            times = alternate("fusedrnn.benchmark.half", PEERS, args.rounds, mode, phase)
-            work = flops * (3 if phase == "train" else 1)
-            cells = [f"{peer} " + " ".join(f"{t * 1e3:.1f}" for t in ts) +
-                     f" ({work / np.median(ts) / 1e9:.0f})" for peer, ts in times.items()]
-            ratio = np.median(times["torch"]) / np.median(times["fusedrnn"])
-            print(f"{mode:8s} {phase}: " + "; ".join(cells) + f"; torch/fusedrnn {ratio:.2f}")
+    threads = ", 2 torch threads" if args.device == "cpu" else ""
+    print(f"T={T} N={N} I={I} H={H}, {args.device}{threads}; ms per call (GFLOP/s)")
+    for dtype in dtypes.split(","):
+        for mode in args.modes.split(","):
+            flops = 2 * T * N * CELLS[mode].gates * H * (I + H)
+            for phase in ("infer", "train"):
+                times = alternate("fusedrnn.benchmark.half", PEERS[args.device], args.rounds,
+                                  mode, phase, dtype, args.device)
+                work = flops * (3 if phase == "train" else 1)
+                cells = [f"{peer} " + " ".join(f"{t * 1e3:.2f}" for t in ts) +
+                         f" ({work / np.median(ts) / 1e9:.0f})" for peer, ts in times.items()]
+                ratio = np.median(times["torch"]) / np.median(times["fusedrnn"])
+                print(f"{dtype:8s} {mode:8s} {phase}: " + "; ".join(cells) +
+                      f"; torch/fusedrnn {ratio:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,20 @@ import time
 import numpy as np
 
 
-def seconds_per_call(call, warmup=2, blocks=5, per_block=3):
-    """Median over `blocks` blocks of `per_block` back-to-back calls, after `warmup`."""
+def seconds_per_call(call, warmup=2, blocks=5, per_block=3, sync=None):
+    """Median over `blocks` blocks of `per_block` back-to-back calls, after `warmup`.
+    sync (a device's synchronize) runs before each block's clock starts and before it
+    stops, so a block counts its calls' device work."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         call()
     times = []
     for _ in range(blocks):
+        sync()
         start = time.perf_counter()
         for _ in range(per_block):
             call()
+        sync()
         times.append((time.perf_counter() - start) / per_block)
     return float(np.median(times))
 

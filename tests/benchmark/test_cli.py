@@ -164,5 +164,9 @@ def test_side_by_side_helpers():
     calls = []
     assert seconds_per_call(lambda: calls.append(1), warmup=2, blocks=3, per_block=4) >= 0
     assert len(calls) == 2 + 3 * 4
+    events = []   # a device's synchronize closes each block before its clock stops
+    seconds_per_call(lambda: events.append("call"), warmup=1, blocks=2, per_block=2,
+                     sync=lambda: events.append("sync"))
+    assert events == ["call"] + ["sync", "call", "call", "sync"] * 2
     times = alternate("fusedrnn.benchmark.compiled", ("eager",), 1, "tagger")
     assert list(times) == ["eager"] and len(times["eager"]) == 1 and times["eager"][0] > 0
