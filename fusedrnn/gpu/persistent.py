@@ -15,12 +15,13 @@ persistent kernels off.
 
 float16 and bfloat16 data (the op's float32 inside, config.PRECISIONS) take the products on
 tensor cores where the device has them (compute capability 8.0 and later;
-fusedrnn/gpu/tensorcore.cuh): W_h and the staged operands in half, float32 sums; the
-plan's shared memory then follows tensorcore.cuh's operand layout (_mma_forward,
-_mma_backward), and `slices` splits each product's k-steps of 16 so the tiles fill the
-block's warps. FUSEDRNN_GPU_TENSOR_CORES=0 keeps half data on the float32 products.
-Built and checked on the host harness (tensorcore.cuh's host stand-in for mma.sync);
-not yet measured on a GPU.
+fusedrnn/gpu/tensorcore.cuh) and FUSEDRNN_GPU_TENSOR_CORES=1 asks for them: W_h and the
+staged operands in half, float32 sums; the plan's shared memory then follows
+tensorcore.cuh's operand layout (mma_forward_operands, mma_backward_operands), and
+`slices` splits each product's k-steps of 16 so the tiles fill the block's warps. Built
+and checked on the host harness (tensorcore.cuh's host stand-in for mma.sync), not yet
+run on a GPU: so they are opt-in until bench/gpu_session.sh half has checked and timed
+them there, and half data keeps the float32 products by default.
 
 Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
 and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
@@ -205,13 +206,14 @@ def _mma_plan(gates, hidden, batch, limits, slices, units, blocks, precision):
 
 
 def tensor_cores_enabled(environ=os.environ):
-    """On unless FUSEDRNN_GPU_TENSOR_CORES=0 (half data on the float32 products)."""
-    return environ.get(TENSOR_CORES_ENV, "1") != "0"
+    """Whether FUSEDRNN_GPU_TENSOR_CORES=1 asks for the tensor-core products (off by
+    default until measured on a GPU: module docstring)."""
+    return environ.get(TENSOR_CORES_ENV, "0") == "1"
 
 
 def product_precision(storage, limits, environ=os.environ):
     """The plan's `precision` for data stored as `storage` (None: float32 and float64
-    data, a device before compute capability 8.0, or tensor cores turned off)."""
+    data, a device before compute capability 8.0, or tensor cores not asked for)."""
     if storage not in HALF_PRODUCTS or limits.capability < MIN_TENSOR_CORE_CAPABILITY:
         return None
     return storage if tensor_cores_enabled(environ) else None

@@ -221,7 +221,7 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
     from fusedrnn.gpu import persistent
     from test_precision import assert_within, longest_product, rounded
     monkeypatch.setenv(persistent.ENV, "1")
-    monkeypatch.delenv(persistent.TENSOR_CORES_ENV, raising=False)
+    monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
     plans = []
     real = persistent.cupy_persistent_layer
 

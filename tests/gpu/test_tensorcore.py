@@ -32,6 +32,12 @@ def harness(tmp_path_factory):
     return build_harness(tmp_path_factory.mktemp("harness"))
 
 
+@pytest.fixture(autouse=True)
+def tensor_cores_asked_for(monkeypatch):
+    """Opt-in until measured on a GPU (persistent.py): these tests ask for them."""
+    monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
+
+
 def _check(harness, mode, dtype, limits=TWO_SMS, opts=CallOptions(), chunk=None,
            mma_slices=None, threads=None, T=6, N=5, I=4, H=9, L=1, D=1, seed=0):
     """The half op on the host harness against the float64 op on the same rounded inputs;
@@ -117,6 +123,8 @@ def test_before_compute_capability_8_half_data_keeps_the_float32_products(harnes
 
 def test_product_precision_rule(monkeypatch):
     monkeypatch.delenv(persistent.TENSOR_CORES_ENV, raising=False)
+    assert persistent.product_precision("float16", H100) is None   # opt-in, for now
+    monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
     assert persistent.product_precision("float16", H100) == "float16"
     assert persistent.product_precision("bfloat16", H100) == "bfloat16"
     assert persistent.product_precision(None, H100) is None               # float32 data

@@ -12,6 +12,7 @@ except Exception:  # noqa: BLE001  (no CuPy or no driver: no GPU)
 if not HAVE_GPU:
     pytest.skip("no CUDA device (or no CuPy)", allow_module_level=True)
 
+import fusedrnn  # noqa: E402
 import fusedrnn.torch as ft  # noqa: E402
 from fusedrnn.config import CELLS  # noqa: E402
 
@@ -39,13 +40,17 @@ def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
                                atol=1e-12)
 
 
+@pytest.mark.parametrize("tensor_cores", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype):
+def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, monkeypatch):
     """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts, the op told
-    the data was bfloat16: CuPy has none) on CUDA, whose persistent kernels run the
-    products on tensor cores: outputs and gradients as the same module on the CPU within
-    test_precision's bound, twice (each side is within it of the float64 result)."""
+    the data was bfloat16: CuPy has none) on CUDA, the persistent kernels' products on
+    tensor cores or not (FUSEDRNN_GPU_TENSOR_CORES): outputs and gradients as the same
+    module on the CPU within test_precision's bound, twice (each side is within it of
+    the float64 result)."""
+    monkeypatch.setenv("FUSEDRNN_GPU_TENSOR_CORES", tensor_cores)
+    fusedrnn.clear_cache()   # the setting is read as an op is built
     torch.manual_seed(0)
     name = CELLS[mode].torch_class
     cpu = getattr(ft, name)(5, 16, num_layers=2, bidirectional=True).to(dtype)
