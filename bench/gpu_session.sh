@@ -93,7 +93,9 @@ case "$phase" in
         info | tee "$OUT/info.txt"
         pytest_gpu half-tests.log 150 tests/gpu/test_parity.py tests/torch/test_cuda.py \
             -k "float16 or half or autocast"
-        timeout -s KILL 380 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
+        FUSEDRNN_GPU_TENSOR_CORES=1 timeout -s KILL 90 $PY -m fusedrnn.benchmark.gpu_phases \
+            --dtype float16 --modes lstm,gru 2>&1 | tee "$OUT/half-phases.log"
+        timeout -s KILL 300 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
             --modes lstm,gru "$@" 2>&1 | tee "$OUT/half.log"
         ;;
     *)

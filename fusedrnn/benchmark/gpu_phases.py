@@ -53,6 +53,9 @@ def main():
     parser.add_argument("--N", type=int, default=20)
     parser.add_argument("--H", type=int, default=800)
     parser.add_argument("--modes", default=",".join(fusedrnn.MODES))
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                        help="float16: the op's half path (tensor-core products with "
+                             "FUSEDRNN_GPU_TENSOR_CORES=1)")
     args = parser.parse_args()
     T, N, H = args.T, args.N, args.H
     module = instrumented_module()
@@ -65,26 +68,26 @@ def main():
     limits = persistent.DeviceLimits.of_current_cupy_device(cupy)
     rng = np.random.default_rng(0)
     print(f"{device['name'].decode()}, SM clock {clock_khz / 1e3:.0f} MHz; T={T} N={N} "
-          f"I=H={H} float32, one layer; us per step (averaged over blocks)")
+          f"I=H={H} {args.dtype}, one layer; us per step (averaged over blocks)")
     print(f"| mode | pass | {' | '.join(PHASES)} | sum | whole call / T |")
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        plan = persistent.persistent_plan(CELLS[mode].gates, H, N, 4, limits,
-                                          *persistent.tile_setting())   # the op's own plan
+        storage = args.dtype if args.dtype != "float32" else None   # the op's own plan
+        plan = persistent.op_plan(CELLS[mode].gates, H, N, 4, limits, storage)
         if plan is None:
             print(f"| {mode} | - | does not fit on chip | | | | |")
             continue
         kw = dict(mode=mode, state_size=H, num_layers=1)
-        x = cupy.asarray(rng.standard_normal((T, N, H)), cupy.float32)
+        x = cupy.asarray(rng.standard_normal((T, N, H)), args.dtype)
         w = cupy.asarray(rng.uniform(-H ** -0.5, H ** -0.5,
-                                     fusedrnn.param_size(input_size=H, **kw)), cupy.float32)
+                                     fusedrnn.param_size(input_size=H, **kw)), args.dtype)
         for _ in range(2):   # warm-up: compile, plan, allocate
             fusedrnn.RNN(x, w, **kw)
         counter.fill(0)
         _, infer_us = timed(lambda: fusedrnn.RNN(x, w, **kw))
         forward = per_step_us(counter, plan.blocks, T, clock_khz)
         out, handle = fusedrnn.RNN(x, w, **kw, train=True)
-        dout = cupy.asarray(rng.standard_normal(out.shape), cupy.float32)
+        dout = cupy.asarray(rng.standard_normal(out.shape), args.dtype)
         counter.fill(0)
         _, backward_call_us = timed(lambda: fusedrnn.rnn_backward(handle, dout))
         backward = per_step_us(counter, plan.blocks, T, clock_khz)

@@ -48,7 +48,7 @@ from .build import KernelFamily
 
 __all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "MAX_TILE", "DeviceLimits", "PersistentPlan",
            "HALF_PRODUCTS", "MmaOperands", "mma_forward_operands", "mma_backward_operands",
-           "tensor_cores_enabled", "product_precision",
+           "tensor_cores_enabled", "product_precision", "op_plan",
            "persistent_plan", "persistent_enabled", "tile_setting", "tile_slices", "persistent_forward_args",
            "persistent_backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
@@ -237,6 +237,18 @@ def tile_setting(environ=os.environ):
     return values[0], values[1] if len(values) == 2 else None
 
 
+def op_plan(gates, hidden, batch, itemsize, limits, storage=None, environ=os.environ):
+    """The plan the op takes for one layer on `limits`' device, the environment's settings
+    applied (FUSEDRNN_GPU_TILE, FUSEDRNN_GPU_TENSOR_CORES); storage: the data's dtype name
+    where the op converts it. FUSEDRNN_GPU_TILE's slices apply to the tensor-core
+    products too; their tile is the mma's."""
+    tile, slices = tile_setting(environ)
+    precision = product_precision(storage, limits, environ)
+    if precision is not None:
+        tile, slices = 1, slices if environ.get(TILE_ENV, "").strip() else None
+    return persistent_plan(gates, hidden, batch, itemsize, limits, tile, slices, precision)
+
+
 def persistent_enabled():
     """On unless FUSEDRNN_GPU_PERSISTENT=0 (the per-step path everywhere)."""
     return os.environ.get(ENV, "1") != "0"
@@ -341,12 +353,8 @@ def cupy_persistent_layer(cupy, config, dtype, batch, storage=None):
     if not persistent_enabled() or config.projection_size:
         return None
     limits = DeviceLimits.of_current_cupy_device(cupy)
-    tile, slices = tile_setting()
-    precision = product_precision(storage, limits)
-    if precision is not None:   # FUSEDRNN_GPU_TILE's slices apply; the tile is the mma's
-        tile, slices = 1, slices if os.environ.get(TILE_ENV, "").strip() else None
-    plan = persistent_plan(config.cell.gates, config.state_size, batch,
-                           np.dtype(dtype).itemsize, limits, tile, slices, precision)
+    plan = op_plan(config.cell.gates, config.state_size, batch, np.dtype(dtype).itemsize,
+                   limits, storage)
     if plan is None:
         return None
     try:

@@ -203,3 +203,17 @@ def test_conversions_round_to_nearest_even_as_numpy(harness, dtype):
     nan = np.isnan(x)
     assert np.isnan(got.astype(np.float32)[nan]).all()
     assert (got.view(np.uint16)[~nan] == want.view(np.uint16)[~nan]).all()
+
+
+def test_op_plan_applies_the_environment():
+    """persistent.op_plan, the plan cupy_persistent_layer takes: tensor cores when asked
+    for and the data is half; FUSEDRNN_GPU_TILE's slices apply to them, its tile not."""
+    env = {persistent.TENSOR_CORES_ENV: "1"}
+    assert persistent.op_plan(4, 800, 20, 4, H100, "float16", env).precision == "float16"
+    assert persistent.op_plan(4, 800, 20, 4, H100, None, env).precision is None
+    assert persistent.op_plan(4, 800, 20, 4, H100, "bfloat16", {}).precision is None
+    plan = persistent.op_plan(4, 800, 20, 4, H100, "bfloat16",
+                              dict(env, **{persistent.TILE_ENV: "4,3"}))
+    assert (plan.precision, plan.tile, plan.slices) == ("bfloat16", 1, 3)
+    plan = persistent.op_plan(4, 800, 20, 4, H100, None, {persistent.TILE_ENV: "4,3"})
+    assert (plan.precision, plan.tile, plan.slices) == (None, 4, 3)
