@@ -67,8 +67,10 @@
 //   chunk                rows of exchange staged in shared memory at a time (>= 1; with
 //                        a half precision a multiple of 16)
 //   With a half precision exchange holds (2, N, G*H) values of that precision (its first
-//   quarter), rows per sample as the product's A operand reads them, and the shared
-//   memory is mma_smem_bytes of backward_operands.
+//   half, for float32 arrays), rows per sample as the product's A operand reads them, and
+//   the shared memory is mma_smem_bytes of backward_operands. float16 data's gate
+//   gradients are thereby rounded to float16 (range 6e-8 .. 65504, as the data's own
+//   gradients leave the op): scale a loss as for torch's float16 autocast.
 //   On exit dh_0 = dg_first @ W_h + dh_carry; the caller runs that last GEMM (as for the
 //   CPU's fused loop, fusedrnn/cpu/fused.py).
 #pragma once
@@ -738,12 +740,38 @@ __device__ void backward_mma_loop(unsigned long long* barrier, const PersistentB
   }
 }
 
+// The tensor-core loops serve float arrays only (their partial sums are 4 bytes wide in
+// mma_smem_bytes); for double these return false, and the host never plans them there.
+template <typename Cell>
+__device__ __forceinline__ bool forward_on_tensor_cores(unsigned long long* barrier,
+                                                        const PersistentForward<float>& p) {
+  if (p.c.precision == kProductF16) forward_mma_loop<kProductF16, Cell>(barrier, p);
+  else if (p.c.precision == kProductBF16) forward_mma_loop<kProductBF16, Cell>(barrier, p);
+  return p.c.precision != kProductT;
+}
+template <typename Cell>
+__device__ __forceinline__ bool forward_on_tensor_cores(unsigned long long*,
+                                                        const PersistentForward<double>&) {
+  return false;
+}
+template <typename Cell>
+__device__ __forceinline__ bool backward_on_tensor_cores(unsigned long long* barrier,
+                                                         const PersistentBackward<float>& p) {
+  if (p.c.precision == kProductF16) backward_mma_loop<kProductF16, Cell>(barrier, p);
+  else if (p.c.precision == kProductBF16) backward_mma_loop<kProductBF16, Cell>(barrier, p);
+  return p.c.precision != kProductT;
+}
+template <typename Cell>
+__device__ __forceinline__ bool backward_on_tensor_cores(unsigned long long*,
+                                                         const PersistentBackward<double>&) {
+  return false;
+}
+
 template <typename Cell, typename T>
 __global__ void __launch_bounds__(512, 1) persistent_forward(unsigned long long* barrier,
                                                           FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
   const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
-  if (precision == kProductF16) return forward_mma_loop<kProductF16, Cell>(barrier, p);
-  if (precision == kProductBF16) return forward_mma_loop<kProductBF16, Cell>(barrier, p);
+  if (forward_on_tensor_cores<Cell>(barrier, p)) return;
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* h_s = w_s + H * Cell::G * units;
@@ -769,8 +797,7 @@ template <typename Cell, typename T>
 __global__ void __launch_bounds__(512, 1) persistent_backward(unsigned long long* barrier,
                                                            FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
-  if (precision == kProductF16) return backward_mma_loop<kProductF16, Cell>(barrier, p);
-  if (precision == kProductBF16) return backward_mma_loop<kProductBF16, Cell>(barrier, p);
+  if (backward_on_tensor_cores<Cell>(barrier, p)) return;
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* x_s = w_s + Cell::G * H * units;

@@ -129,6 +129,8 @@ class PersistentPlan:
     slices: int = 1      # slices of the reduction per item: of k (forward), of each
                          # staged chunk of gate rows (backward)
     precision: str | None = None   # "float16"/"bfloat16": the products on tensor cores
+    backward_slices: int | None = None   # the backward's slices where they differ (the
+                                         # tensor-core backward has its own tile count)
 
 
 def tile_slices(units, batch, hidden, tile):
@@ -184,25 +186,32 @@ def _plan(gates, hidden, batch, itemsize, limits, tile, slices, units, blocks, l
 
 
 def _mma_plan(gates, hidden, batch, limits, slices, units, blocks, precision):
+    warps = MAX_THREADS // 32
     forward = mma_forward_operands(gates, hidden, batch, units)
     tiles = forward.m_rows // 16 * (forward.n_rows // 8)
-    if slices is None:   # enough slices of k for one tile per warp of a full block
-        slices = max(1, min(forward.k // 16, MAX_THREADS // 32 // tiles))
-    forward_smem = forward.smem_bytes(slices)
-    # The backward stages as many gate rows at a time as fit, in whole k-steps, at most
-    # 512 (persistent.cuh's chunk) and at least 16.
-    fixed = mma_backward_operands(gates, hidden, batch, units, 0).smem_bytes(slices)
-    room = (limits.smem_per_block - fixed) // (2 * forward.m_rows) - 8
-    chunk = min(_round(gates * hidden, 16), MAX_CHUNK, room // 16 * 16)
+    backward_tiles = forward.m_rows // 16 * (_round(units, 8) // 8)
+    # Enough slices of k for one tile per warp of a full block, each product its own.
+    forward_slices = slices or max(1, min(forward.k // 16, warps // tiles))
+    backward_slices = slices or max(1, warps // backward_tiles)
+    forward_smem = forward.smem_bytes(forward_slices)
+    # The backward stages as many gate rows at a time as fit, in whole k-steps (each
+    # chunk costs two block barriers), at least 16.
+    fixed = mma_backward_operands(gates, hidden, batch, units, 0).smem_bytes(backward_slices)
+    room = (limits.smem_per_block - fixed) // (2 * forward.m_rows)
+    chunk = min(_round(gates * hidden, 16), room // 16 * 16)
     if forward_smem > limits.smem_per_block or chunk < 16:
         return None
-    backward_smem = mma_backward_operands(gates, hidden, batch, units, chunk).smem_bytes(slices)
+    if slices is None:   # no more slices than a chunk has k-steps
+        backward_slices = min(backward_slices, chunk // 16)
+    backward_smem = mma_backward_operands(gates, hidden, batch, units,
+                                          chunk).smem_bytes(backward_slices)
     # Whole warps (each C tile is a warp's), at least 256 threads for staging, and enough
     # for one tile per warp or one cell task per thread.
-    work = max(units * batch, 32 * tiles * slices)
+    work = max(units * batch, 32 * tiles * forward_slices,
+               32 * backward_tiles * backward_slices)
     threads = min(MAX_THREADS, max(MIN_THREADS, -(-work // 32) * 32))
     return PersistentPlan(blocks, units, threads, batch | 1, chunk, forward_smem, backward_smem,
-                          1, slices, precision)
+                          1, forward_slices, precision, backward_slices)
 
 
 def tensor_cores_enabled(environ=os.environ):
@@ -254,11 +263,12 @@ def persistent_enabled():
     return os.environ.get(ENV, "1") != "0"
 
 
-def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d, has_cell):
+def _common(lengths, clip_lo, clip_hi, clip_flags, steps, batch, hidden, plan, d, has_cell,
+            slices):
     i = np.int64
     return (lengths, i(lengths.size), np.float64(clip_lo), np.float64(clip_hi), i(clip_flags),
             i(steps), i(batch), i(hidden), i(plan.units), i(plan.ldn), i(d), i(has_cell),
-            i(plan.tile), i(plan.slices), i(HALF_PRODUCTS.get(plan.precision, 0)))
+            i(plan.tile), i(slices), i(HALF_PRODUCTS.get(plan.precision, 0)))
 
 
 def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved, lengths,
@@ -271,7 +281,8 @@ def persistent_forward_args(gates, plan, xproj, d, w_h, bx, bh, hs, cs, y, saved
     return (xproj, i(xproj.shape[2]), i(d * gates * H), w_h, bx, bh, hs[d],
             cs[d] if has_cell else cs, y, i(y.shape[2]), i(d * H),
             saved[d] if record else saved, i(record),
-            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
+            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell,
+                     plan.slices))
 
 
 def persistent_backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0,
@@ -285,7 +296,8 @@ def persistent_backward_args(gates, plan, dy, d, w_h, hs, cs, saved, dgx, dgh, d
     return (dy, i(dy.shape[2]), i(d * H), w_h, hs[d], cs[d] if has_cell else cs, saved[d],
             dgx, dgh, i(dgx.shape[2]), i(d * gates * H), i(dgh.shape[2] != 0), dh_rec0,
             dh_carry, dc_carry, exchange, i(plan.chunk),
-            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell))
+            *_common(lengths, clip_lo, clip_hi, clip_flags, T, N, H, plan, d, has_cell,
+                     plan.backward_slices or plan.slices))
 
 
 class PersistentLayer:

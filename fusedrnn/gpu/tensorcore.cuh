@@ -88,9 +88,19 @@ inline float host_f16_value(half_bits h) {
 }
 #endif
 
+// The instructions below exist from sm_80 (cvt.rn.bf16.f32, mma.sync with bf16). The
+// kernels are also built for older devices (their float32 paths), where the host never
+// plans a half precision (persistent.py: compute capability 8.0): there these trap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FUSEDRNN_NO_TENSOR_CORES 1
+#endif
+
 template <int P>
 __host__ __device__ __forceinline__ half_bits to_half(float v) {
-#ifdef __CUDACC__
+#if defined(FUSEDRNN_NO_TENSOR_CORES)
+  __trap();
+  return 0;
+#elif defined(__CUDACC__)
   unsigned short r;
   if (P == kProductBF16)
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
@@ -176,6 +186,9 @@ __host__ __device__ __forceinline__ void load_fragments(const half_bits* a, int 
 #ifdef __CUDACC__
 template <int P>
 __device__ __forceinline__ void mma_16816(float c[4], const Fragments& f) {
+#if defined(FUSEDRNN_NO_TENSOR_CORES)
+  __trap();
+#else
   if (P == kProductBF16)
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -188,6 +201,7 @@ __device__ __forceinline__ void mma_16816(float c[4], const Fragments& f) {
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(f.a[0]), "r"(f.a[1]), "r"(f.a[2]), "r"(f.a[3]), "r"(f.b[0]), "r"(f.b[1]));
+#endif
 }
 #else
 // The host's stand-in for the warp instruction: it gathers all 32 lanes' fragments (the

@@ -25,7 +25,8 @@ FUSEDRNN_HOST_CELLS(CELL_ENTRIES)
 // ---- the persistent kernels (persistent.cuh), phase by phase ----
 // Entries take the device kernels' arguments after (blocks, threads, shared memory bytes),
 // and return 0, or 1 where the tensor-core layout needs more shared memory than the
-// launch gives; the grid barrier's counter is unused here.
+// launch gives, 2 for a half precision with double arrays; the grid barrier's counter is
+// unused here.
 // The device kernels run these phases with __syncthreads / grid.sync between; here the
 // barriers are loop boundaries: every block's weights are staged, then per step each
 // block stages its state (all threads) before any of its tasks run, and every block
@@ -140,11 +141,29 @@ int host_mma_backward(idx_t blocks, idx_t threads, idx_t smem, const PersistentB
   return 0;
 }
 
+// As the kernels' forward_on_tensor_cores: float arrays only (-1: not this path).
+template <typename Cell>
+int host_mma(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<float>& p) {
+  if (p.c.precision == kProductF16) return host_mma_forward<kProductF16, Cell>(blocks, threads, smem, p);
+  if (p.c.precision == kProductBF16) return host_mma_forward<kProductBF16, Cell>(blocks, threads, smem, p);
+  return -1;
+}
+template <typename Cell>
+int host_mma(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<float>& p) {
+  if (p.c.precision == kProductF16) return host_mma_backward<kProductF16, Cell>(blocks, threads, smem, p);
+  if (p.c.precision == kProductBF16) return host_mma_backward<kProductBF16, Cell>(blocks, threads, smem, p);
+  return -1;
+}
+template <typename Cell, typename P>
+int host_mma(idx_t, idx_t, idx_t, const P& p) {   // double arrays: never planned
+  return p.c.precision == kProductT ? -1 : 2;
+}
+
 template <typename Cell, typename T>
 int host_forward(idx_t blocks, idx_t threads, idx_t smem, FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
   const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
-  if (precision == kProductF16) return host_mma_forward<kProductF16, Cell>(blocks, threads, smem, p);
-  if (precision == kProductBF16) return host_mma_forward<kProductBF16, Cell>(blocks, threads, smem, p);
+  const int status = host_mma<Cell>(blocks, threads, smem, p);
+  if (status >= 0) return status;
   host_persistent_forward<Cell, T>(blocks, threads, FUSEDRNN_PERSISTENT_FORWARD_ARGS);
   return 0;
 }
@@ -152,8 +171,8 @@ int host_forward(idx_t blocks, idx_t threads, idx_t smem, FUSEDRNN_PERSISTENT_FO
 template <typename Cell, typename T>
 int host_backward(idx_t blocks, idx_t threads, idx_t smem, FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
-  if (precision == kProductF16) return host_mma_backward<kProductF16, Cell>(blocks, threads, smem, p);
-  if (precision == kProductBF16) return host_mma_backward<kProductBF16, Cell>(blocks, threads, smem, p);
+  const int status = host_mma<Cell>(blocks, threads, smem, p);
+  if (status >= 0) return status;
   host_persistent_backward<Cell, T>(blocks, threads, FUSEDRNN_PERSISTENT_BACKWARD_ARGS);
   return 0;
 }

@@ -1,4 +1,4 @@
-"""Every GPU kernel (per-step cells and persistent) compiles for sm_90 and sm_80: with
+"""Every GPU kernel (per-step cells and persistent) compiles for sm_90, sm_80 and sm_75: with
 nvcc, and with NVRTC exactly as CuPy builds it (same source, options and name
 expressions; the persistent kernels need no cooperative-groups option, only a
 cooperative launch). Runs without a GPU; in CI (CI=true) a missing compiler fails the test instead of skipping it."""
@@ -16,7 +16,10 @@ from fusedrnn.gpu import build
 from fusedrnn.gpu.kernels import STEP_KERNELS
 from fusedrnn.gpu.persistent import PERSISTENT_KERNELS
 
-ARCHS = ["sm_90", "sm_80"]
+ARCHS = ["sm_90", "sm_80", "sm_75"]
+# Tensor cores with bfloat16 (mma.sync m16n8k16 .bf16, cvt.rn.bf16.f32) from sm_80; sm_75
+# (Turing) builds the same kernels with those paths trapping (tensorcore.cuh).
+TENSOR_CORE_ARCHS = ["sm_90", "sm_80"]
 
 
 
@@ -81,7 +84,7 @@ def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
     assert all(int(r) <= 128 for r in re.findall(r"Used (\d+) registers", report))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TENSOR_CORE_ARCHS)
 def test_persistent_kernels_hold_both_tensor_core_products(arch, tmp_path):
     """Each float instantiation carries mma.sync m16n8k16 for float16 and for bfloat16
     operands (tensorcore.cuh), which ptxas builds for the arch (the tests above)."""

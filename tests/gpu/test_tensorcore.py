@@ -75,7 +75,8 @@ def test_several_tiles_slices_and_chunks(harness, mode, dtype):
     last partial."""
     plans = _check(harness, mode, dtype, limits=FOUR_SMS, chunk=16, mma_slices=2, T=5, N=20,
                    I=6, H=40, seed=5)
-    assert {(plan.units, plan.slices, plan.chunk) for plan in plans} == {(10, 2, 16)}
+    assert {(plan.units, plan.slices, plan.backward_slices, plan.chunk)
+            for plan in plans} == {(10, 2, 2, 16)}
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
@@ -136,16 +137,18 @@ def test_product_precision_rule(monkeypatch):
 
 def test_plan_for_the_design_doc_lstm_in_half_on_an_h100():
     """T=300 N=20 I=H=800: 7 units a block, 28 rows of W_h (4 tiles of 8) by 2 tiles of 16
-    samples, 50 k-steps in 2 slices: one tile per warp of 512 threads."""
+    samples, 50 k-steps in 2 slices: one tile per warp of 512 threads. The backward: 2
+    tiles (7 units in one tile of 8) in 8 slices, the 3200 gate rows in 2 chunks."""
     plan = persistent_plan(4, 800, 20, 4, H100, 1, None, "float16")
-    assert (plan.units, plan.blocks, plan.threads, plan.slices, plan.chunk) == (7, 115, 512, 2, 512)
+    assert (plan.units, plan.blocks, plan.threads, plan.slices, plan.backward_slices,
+            plan.chunk) == (7, 115, 512, 2, 8, 2672)
     forward = persistent.mma_forward_operands(4, 800, 20, 7)
     assert (forward.m_rows, forward.n_rows, forward.k, forward.lda, forward.ldc) == \
         (32, 32, 800, 808, 33)
     # about 0.7 of the float32 plan's 156800 bytes
     assert plan.forward_smem == 2 * (32 * 808 + 32 * 808) + 4 * 2 * 32 * 33 == 111872
-    backward = persistent.mma_backward_operands(4, 800, 20, 7, 512)
-    assert plan.backward_smem == backward.smem_bytes(2) <= H100.smem_per_block
+    backward = persistent.mma_backward_operands(4, 800, 20, 7, 2672)
+    assert plan.backward_smem == backward.smem_bytes(8) <= H100.smem_per_block
 
 
 def test_plan_in_half_refuses_what_it_cannot_run():
