@@ -693,9 +693,10 @@ __device__ __forceinline__ void grid_barrier(unsigned long long* counter,
 // kept some instantiations at 64 registers and spilled once the tensor-core paths joined.
 extern __shared__ __align__(16) double persistent_smem[];   // aligned for either T and vector loads
 
-// The forward with its product on tensor cores (precision P; the phases above).
+// The forward and the backward with their products on tensor cores (precision P; the
+// phases above).
 template <int P, typename Cell, typename T>
-__device__ void forward_mma_loop(unsigned long long* barrier, const PersistentForward<T>& p) {
+__device__ void mma_loop(unsigned long long* barrier, const PersistentForward<T>& p) {
   const MmaOperands o = forward_operands<Cell>(p);
   const MmaShared<T> m = carve_mma<T>(persistent_smem, o);
   unsigned long long arrivals = 0;
@@ -716,7 +717,7 @@ __device__ void forward_mma_loop(unsigned long long* barrier, const PersistentFo
 }
 
 template <int P, typename Cell, typename T>
-__device__ void backward_mma_loop(unsigned long long* barrier, const PersistentBackward<T>& p) {
+__device__ void mma_loop(unsigned long long* barrier, const PersistentBackward<T>& p) {
   const MmaShared<T> m = carve_mma<T>(persistent_smem, backward_operands<Cell>(p));
   unsigned long long arrivals = 0;
   backward_mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
@@ -741,29 +742,17 @@ __device__ void backward_mma_loop(unsigned long long* barrier, const PersistentB
 }
 
 // The tensor-core loops serve float arrays only (their partial sums are 4 bytes wide in
-// mma_smem_bytes); for double these return false, and the host never plans them there.
-template <typename Cell>
-__device__ __forceinline__ bool forward_on_tensor_cores(unsigned long long* barrier,
-                                                        const PersistentForward<float>& p) {
-  if (p.c.precision == kProductF16) forward_mma_loop<kProductF16, Cell>(barrier, p);
-  else if (p.c.precision == kProductBF16) forward_mma_loop<kProductBF16, Cell>(barrier, p);
+// mma_smem_bytes): true where one ran; for double arrays false, the host never plans
+// them there.
+template <typename Cell, template <typename> class Params>
+__device__ __forceinline__ bool on_tensor_cores(unsigned long long* barrier,
+                                                const Params<float>& p) {
+  if (p.c.precision == kProductF16) mma_loop<kProductF16, Cell>(barrier, p);
+  else if (p.c.precision == kProductBF16) mma_loop<kProductBF16, Cell>(barrier, p);
   return p.c.precision != kProductT;
 }
-template <typename Cell>
-__device__ __forceinline__ bool forward_on_tensor_cores(unsigned long long*,
-                                                        const PersistentForward<double>&) {
-  return false;
-}
-template <typename Cell>
-__device__ __forceinline__ bool backward_on_tensor_cores(unsigned long long* barrier,
-                                                         const PersistentBackward<float>& p) {
-  if (p.c.precision == kProductF16) backward_mma_loop<kProductF16, Cell>(barrier, p);
-  else if (p.c.precision == kProductBF16) backward_mma_loop<kProductBF16, Cell>(barrier, p);
-  return p.c.precision != kProductT;
-}
-template <typename Cell>
-__device__ __forceinline__ bool backward_on_tensor_cores(unsigned long long*,
-                                                         const PersistentBackward<double>&) {
+template <typename Cell, template <typename> class Params>
+__device__ __forceinline__ bool on_tensor_cores(unsigned long long*, const Params<double>&) {
   return false;
 }
 
@@ -771,7 +760,7 @@ template <typename Cell, typename T>
 __global__ void __launch_bounds__(512, 1) persistent_forward(unsigned long long* barrier,
                                                           FUSEDRNN_PERSISTENT_FORWARD_PARAMS(T)) {
   const PersistentForward<T> p = FUSEDRNN_PERSISTENT_FORWARD_INIT;
-  if (forward_on_tensor_cores<Cell>(barrier, p)) return;
+  if (on_tensor_cores<Cell>(barrier, p)) return;
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* h_s = w_s + H * Cell::G * units;
@@ -797,7 +786,7 @@ template <typename Cell, typename T>
 __global__ void __launch_bounds__(512, 1) persistent_backward(unsigned long long* barrier,
                                                            FUSEDRNN_PERSISTENT_BACKWARD_PARAMS(T)) {
   const PersistentBackward<T> p = FUSEDRNN_PERSISTENT_BACKWARD_INIT;
-  if (backward_on_tensor_cores<Cell>(barrier, p)) return;
+  if (on_tensor_cores<Cell>(barrier, p)) return;
   unsigned long long arrivals = 0;
   T* w_s = reinterpret_cast<T*>(persistent_smem);
   T* x_s = w_s + Cell::G * H * units;

@@ -96,7 +96,7 @@ void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_B
 typedef std::vector<std::vector<unsigned char>> BlockMemory;
 
 template <int P, typename Cell, typename T>
-int host_mma_forward(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<T>& p) {
+int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<T>& p) {
   const MmaOperands o = forward_operands<Cell>(p);
   if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32) return 1;
   BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
@@ -116,7 +116,7 @@ int host_mma_forward(idx_t blocks, idx_t threads, idx_t smem, const PersistentFo
 }
 
 template <int P, typename Cell, typename T>
-int host_mma_backward(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<T>& p) {
+int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<T>& p) {
   const MmaOperands o = backward_operands<Cell>(p);
   if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32 || p.chunk % 16) return 1;
   BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
@@ -141,21 +141,16 @@ int host_mma_backward(idx_t blocks, idx_t threads, idx_t smem, const PersistentB
   return 0;
 }
 
-// As the kernels' forward_on_tensor_cores: float arrays only (-1: not this path).
-template <typename Cell>
-int host_mma(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<float>& p) {
-  if (p.c.precision == kProductF16) return host_mma_forward<kProductF16, Cell>(blocks, threads, smem, p);
-  if (p.c.precision == kProductBF16) return host_mma_forward<kProductBF16, Cell>(blocks, threads, smem, p);
+// As the kernels' on_tensor_cores: float arrays only (-1: not this path; 2: a half
+// precision with double arrays, never planned).
+template <typename Cell, template <typename> class Params>
+int host_mma(idx_t blocks, idx_t threads, idx_t smem, const Params<float>& p) {
+  if (p.c.precision == kProductF16) return host_mma_loop<kProductF16, Cell>(blocks, threads, smem, p);
+  if (p.c.precision == kProductBF16) return host_mma_loop<kProductBF16, Cell>(blocks, threads, smem, p);
   return -1;
 }
-template <typename Cell>
-int host_mma(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<float>& p) {
-  if (p.c.precision == kProductF16) return host_mma_backward<kProductF16, Cell>(blocks, threads, smem, p);
-  if (p.c.precision == kProductBF16) return host_mma_backward<kProductBF16, Cell>(blocks, threads, smem, p);
-  return -1;
-}
-template <typename Cell, typename P>
-int host_mma(idx_t, idx_t, idx_t, const P& p) {   // double arrays: never planned
+template <typename Cell, template <typename> class Params>
+int host_mma(idx_t, idx_t, idx_t, const Params<double>& p) {
   return p.c.precision == kProductT ? -1 : 2;
 }
 
