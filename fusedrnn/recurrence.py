@@ -415,8 +415,11 @@ class RecurrentOp:
         if proj:
             gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)
-        xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
-        xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
+        g_bx = xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
+        if cell.split_gate_grads:
+            xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
+        else:   # the same sum (b_x and b_h enter the gates alike): taken once
+            lay.view(g_params, layer, d, "b_h")[...] = g_bx
 
 
 class StepDriver:
