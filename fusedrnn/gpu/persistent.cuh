@@ -444,7 +444,7 @@ __host__ __device__ __forceinline__ MmaShared<T> carve_mma(void* base, const Mma
 }
 
 template <int P, typename Cell, typename T>
-__host__ __device__ void forward_mma_stage_weights(const PersistentForward<T>& p,
+__host__ __device__ void mma_stage_weights(const PersistentForward<T>& p,
                                                    const MmaShared<T>& m, idx_t block,
                                                    idx_t tid, idx_t threads) {
   // b[(u*G + g)*ldb + k] = W_h[g*H + j, k]; 0 past H, past the block's units and in the
@@ -630,7 +630,7 @@ __host__ __device__ void backward_tasks(const PersistentBackward<T>& p, const T*
 // once; per chunk of gate rows A = those rows of the previous step's exchange (already
 // half), then mma_product adds into the step's partial sums (backward_clear zeroes them).
 template <int P, typename Cell, typename T>
-__host__ __device__ void backward_mma_stage_weights(const PersistentBackward<T>& p,
+__host__ __device__ void mma_stage_weights(const PersistentBackward<T>& p,
                                                     const MmaShared<T>& m, idx_t block,
                                                     idx_t tid, idx_t threads) {
   // b[u*ldb + r] = W_h[r, j]; 0 past G*H (to whole k-steps), past the block's units and
@@ -700,7 +700,7 @@ __device__ void mma_loop(unsigned long long* barrier, const PersistentForward<T>
   const MmaOperands o = forward_operands<Cell>(p);
   const MmaShared<T> m = carve_mma<T>(persistent_smem, o);
   unsigned long long arrivals = 0;
-  forward_mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
+  mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
   for (idx_t step = 0; step < p.c.steps; ++step) {
     FUSEDRNN_PHASE_START(since);
     forward_mma_stage<P, Cell>(p, m, step, threadIdx.x, blockDim.x);
@@ -720,7 +720,7 @@ template <int P, typename Cell, typename T>
 __device__ void mma_loop(unsigned long long* barrier, const PersistentBackward<T>& p) {
   const MmaShared<T> m = carve_mma<T>(persistent_smem, backward_operands<Cell>(p));
   unsigned long long arrivals = 0;
-  backward_mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
+  mma_stage_weights<P, Cell>(p, m, blockIdx.x, threadIdx.x, blockDim.x);
   __syncthreads();
   for (idx_t step = 0; step < p.c.steps; ++step) {
     FUSEDRNN_PHASE_START(since);

@@ -95,14 +95,25 @@ void host_persistent_backward(idx_t blocks, idx_t threads, FUSEDRNN_PERSISTENT_B
 // lane (threads is a multiple of 32).
 typedef std::vector<std::vector<unsigned char>> BlockMemory;
 
-template <int P, typename Cell, typename T>
-int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<T>& p) {
-  const MmaOperands o = forward_operands<Cell>(p);
-  if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32) return 1;
+// Every block's shared memory (0xff bytes) with its B operand staged (mma_stage_weights,
+// forward or backward by p's type); none where the launch's bytes or threads do not fit
+// the layout `o`.
+template <int P, typename Cell, template <typename> class Params, typename T>
+BlockMemory staged_blocks(idx_t blocks, idx_t threads, idx_t smem, const Params<T>& p,
+                          const MmaOperands& o) {
+  if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32) return BlockMemory();
   BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
   for (idx_t b = 0; b < blocks; ++b)
     for (idx_t tid = 0; tid < threads; ++tid)
-      forward_mma_stage_weights<P, Cell>(p, carve_mma<T>(mem[b].data(), o), b, tid, threads);
+      mma_stage_weights<P, Cell>(p, carve_mma<T>(mem[b].data(), o), b, tid, threads);
+  return mem;
+}
+
+template <int P, typename Cell, typename T>
+int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentForward<T>& p) {
+  const MmaOperands o = forward_operands<Cell>(p);
+  BlockMemory mem = staged_blocks<P, Cell>(blocks, threads, smem, p, o);
+  if (mem.empty()) return 1;
   for (idx_t step = 0; step < p.c.steps; ++step)
     for (idx_t b = 0; b < blocks; ++b) {
       const MmaShared<T> m = carve_mma<T>(mem[b].data(), o);
@@ -118,11 +129,8 @@ int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentForwa
 template <int P, typename Cell, typename T>
 int host_mma_loop(idx_t blocks, idx_t threads, idx_t smem, const PersistentBackward<T>& p) {
   const MmaOperands o = backward_operands<Cell>(p);
-  if (mma_smem_bytes(o, int(p.c.slices)) > smem || threads % 32 || p.chunk % 16) return 1;
-  BlockMemory mem(blocks, std::vector<unsigned char>(smem, 0xff));
-  for (idx_t b = 0; b < blocks; ++b)
-    for (idx_t tid = 0; tid < threads; ++tid)
-      backward_mma_stage_weights<P, Cell>(p, carve_mma<T>(mem[b].data(), o), b, tid, threads);
+  BlockMemory mem = staged_blocks<P, Cell>(blocks, threads, smem, p, o);
+  if (mem.empty() || p.chunk % 16) return 1;
   for (idx_t step = 0; step < p.c.steps; ++step)
     for (idx_t b = 0; b < blocks; ++b) {
       const MmaShared<T> m = carve_mma<T>(mem[b].data(), o);
