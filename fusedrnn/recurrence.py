@@ -141,7 +141,7 @@ class RecurrentOp:
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
             "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
             "ys": (min(L - 1, 2), T, N, D * R),
-            **self._edge_buffers(),
+            **self._edge_buffers(scratch=True),
             "empty": (0, 0),
             **self.driver.forward_scratch(),
         })
@@ -232,11 +232,13 @@ class RecurrentOp:
     # output before its rounding, live in the op's scratch (x32, p32, out32: reused, so no
     # call pays fresh pages for them); a training forward keeps its copies in the reserve
     # (x32, p32, and reserve.inputs) for its backward, beside the float32 record.
-    # Outputs and gradients leave in the data's dtype.
-    def _edge_buffers(self):
+    # Outputs and gradients leave in the data's dtype. An inference that reads the data
+    # in place needs no x32 in the scratch.
+    def _edge_buffers(self, scratch=False):
         T, N, cfg = self.T, self.N, self.config
         on = self.converts
-        return {"x32": (T if on else 0, N, cfg.input_size),
+        data = on and not (scratch and self._data_in_place)
+        return {"x32": (T if data else 0, N, cfg.input_size),
                 "p32": (self.layout.size if on else 0,),
                 "out32": (T if on else 0, N, cfg.directions * cfg.recurrent_size)}
 

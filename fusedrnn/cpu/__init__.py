@@ -12,7 +12,8 @@ jitcache.install()   # before any kernel module: their cached kernels must see o
 from .cells import cell_kernels
 from .fused import fused_layer, own_gemm
 from .lowlevel import (CHUNK, HAS_BF16, PANEL, interleave_rows, narrow, pack_k_pairs,
-                       pack_recurrent_rows, panels, project, project_bf16, round_rows, widen)
+                       pack_recurrent_rows, panels, project, project_bf16, round_rows, narrow_f16,
+                       widen, widen_f16)
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -24,6 +25,9 @@ __all__ = ["CpuBackend", "BACKEND"]
 # or in a torch program on torch's (CpuBackend.matmul).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GEMM_WORK = 1 << 28
+# astype's own conversions, (from, to) -> the kernel, which takes the half side as bits
+_HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): narrow,
+                     ("float16", "float32"): widen_f16, ("float32", "float16"): narrow_f16}
 # In a torch program a float32 weight gradient a^T @ b with b at least this wide and this
 # many multiply-adds runs as torch's transposing copy of a, then the micro-kernel. Alone
 # (M x K x C, GFLOP/s against torch's): 2048 x 3200 x 512 343 / 222, 3200 x 6000 x 800
@@ -73,10 +77,13 @@ class CpuBackend:
         """The whole-layer fused loop (fused.py) where it applies: every cell without
         a projection, any batch. None sends the driver down the generic per-step path.
         storage: the data's dtype name where it differs from dtype (config.PRECISIONS);
-        bfloat16 takes the layer's vdpbf16ps products where the CPU has AVX512-BF16."""
+        bfloat16 takes the layer's vdpbf16ps products where the CPU has AVX512-BF16; other
+        half-precision data, the float32 layer that reads it in place (widens)."""
         if config.projection_size:
             return None
-        return fused_layer(config.mode, dtype, bf16=storage == "bfloat16" and HAS_BF16)
+        bf16 = storage == "bfloat16" and HAS_BF16
+        return fused_layer(config.mode, dtype, bf16=bf16,
+                           widens=storage in ("float16", "bfloat16") and not bf16)
 
     @staticmethod
     def blas_scope(config, seq_len, batch):
@@ -139,23 +146,24 @@ class CpuBackend:
     @staticmethod
     def astype(array, dtype, out=None):
         """array converted to dtype, into `out` (of array's shape) or a new array: the op's
-        half-precision edges. bfloat16 <-> float32 run on Numba's threads
-        (lowlevel.widen/narrow: ml_dtypes' own casts are single-threaded loops, 2-4x
-        slower); the rest is numpy's."""
+        half-precision edges. bfloat16 and float16 <-> float32 run on Numba's threads
+        (lowlevel.widen/narrow, widen_f16/narrow_f16: ml_dtypes' and numpy's own casts
+        are single-threaded loops, 4-12x slower); the rest is numpy's."""
         dtype = np.dtype(dtype)
         pair = (array.dtype.name, dtype.name)
         if out is None:
             out = np.empty(array.shape, dtype)
         elif not out.flags.c_contiguous:   # (a reshaped copy would drop the result)
             raise ValueError(f"astype: out must be C-contiguous, got strides {out.strides}")
-        if pair not in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        conversion = _HALF_CONVERSIONS.get(pair)
+        if conversion is None:
             out[...] = array
             return out
         src = np.ascontiguousarray(array).reshape(-1)
-        if pair[0] == "bfloat16":
-            widen(src.view(np.uint16), out.reshape(-1))
+        if pair[1] == "float32":
+            conversion(src.view(np.uint16), out.reshape(-1))
         else:
-            narrow(src, out.reshape(-1).view(np.uint16))
+            conversion(src, out.reshape(-1).view(np.uint16))
         return out
 
     @staticmethod

@@ -42,6 +42,7 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
 """
 from __future__ import annotations
 
+import copy
 import threading
 
 import numba as nb
@@ -53,7 +54,7 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
-                       round_row, round_rows, row_add, row_add3, row_copy, zero_like)
+                       project_widened, round_row, round_rows, row_add, row_add3, row_copy, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -446,6 +447,11 @@ class FusedLayer:
         # Design-size LSTM: projection 60-64 -> 32-34 ms, loop 72-77 -> 44-48 ms.
         # Measured: bench/results/cpu-kernel-notes.md#bf16-the-fused-forward-in-bfloat16-issue-25
         self.bf16 = self.reads_storage = bf16
+        # float16 data (and bfloat16 without AVX512-BF16) on the float32 layer: the widening
+        # form (fused_layer(..., widens=True), a copy sharing the compiled code) reads
+        # layer 0's data in place, project_widened converting 96 rows at a time, so the
+        # op makes no float32 copy of it.
+        self.widens = False
         # project() replaces the driver's BLAS input GEMM in float32 (lowlevel/gemm.py
         # says why), and in float64 where the tiles are 512 bits wide; with 256-bit tiles
         # numpy's dgemm was faster.
@@ -493,6 +499,10 @@ class FusedLayer:
                 "tiles": (panels(H), columns * PANEL if single else batch,
                           TILE_GROUPS * PANEL),
                 "wx_panels": (panels(D * GH) * max_in * PANEL if projects else 0,),
+                # project_widened's rows, a block per worker (it takes chunks in turn)
+                "x_block": (min(nb.config.NUMBA_NUM_THREADS, -(-steps * batch // CHUNK))
+                            if projects and self.widens else 0, CHUNK,
+                            config.input_size if projects and self.widens else 0),
                 "spill": (-(-steps * batch // CHUNK) if projects else 0, CHUNK, PANEL),
                 "x_cols": ((columns * max_in * PANEL) if single else 0,),   # flat: any K
                 "h_cols": (columns if single else 0, H, PANEL)}
@@ -510,7 +520,8 @@ class FusedLayer:
         """out (M, D*G*H) = x2d (M, K) @ [W_x of each direction]^T, on Numba's threads
         (lowlevel/gemm.py says why not numpy's); scratch.wx_panels and .spill as carved.
         With bf16, x2d may be the bfloat16 data itself (read in place where K is even)
-        or float32 (rounded into scratch.x16 first)."""
+        or float32 (rounded into scratch.x16 first). The widening form also takes layer 0's
+        float16 or bfloat16 data, widened a chunk at a time into scratch.x_block."""
         K = x2d.shape[1]
         if self.bf16:
             kp = -(-K // 2)
@@ -528,6 +539,11 @@ class FusedLayer:
             return
         wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
         pack_input_weights(w_xs, wpack)
+        half = x2d.dtype.name
+        if half in ("float16", "bfloat16"):
+            project_widened(np.ascontiguousarray(x2d).view(np.uint16), half == "bfloat16",
+                            wpack, out, scratch.spill, scratch.x_block)
+            return
         project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
@@ -640,15 +656,26 @@ def own_gemm(dtype):
     return np.dtype(dtype) == np.float32 or VECTOR_BITS == 512
 
 
-def fused_layer(mode, dtype, bf16=False):
+def fused_layer(mode, dtype, bf16=False, widens=False):
     """The FusedLayer for (mode, dtype, bf16), built once per process (compiled code is
-    cached on disk by Numba). bf16 needs AVX512-BF16 (lowlevel.HAS_BF16)."""
-    key = (mode, np.dtype(dtype).str, bool(bf16))
+    cached on disk by Numba). bf16 needs AVX512-BF16 (lowlevel.HAS_BF16). widens (float32
+    only): the form that reads layer 0's float16 / bfloat16 data in place."""
+    if widens:
+        if bf16 or np.dtype(dtype) != np.float32:
+            raise ValueError(f"fused_layer: widens is float32's without bf16, got "
+                             f"{np.dtype(dtype)} bf16={bf16}")
+        base = fused_layer(mode, dtype)
+    key = (mode, np.dtype(dtype).str, bool(bf16), bool(widens))
     with _lock:
         layer = _layers.get(key)
         if layer is None:
             if bf16 and not HAS_BF16:
                 raise NotImplementedError("fused_layer: bf16 needs AVX512-BF16, which this "
                                           "CPU lacks")
-            layer = _layers[key] = FusedLayer(mode, dtype, bf16)
+            if widens:   # the same compiled kernels; its own scratch and reads_storage
+                layer = copy.copy(base)
+                layer.widens = layer.reads_storage = True
+            else:
+                layer = FusedLayer(mode, dtype, bf16)
+            _layers[key] = layer
     return layer

@@ -367,10 +367,45 @@ def _bf16_op(mode, T, N=3, I=6, H=20):
 def test_bfloat16_takes_the_vdpbf16ps_layer_where_the_cpu_has_it(mode):
     from fusedrnn.cpu.lowlevel import HAS_BF16
     op = _bf16_op(mode, T=6)
-    assert op.dtype == np.float32 and op.converts
-    assert op.driver.layer.bf16 is HAS_BF16 and op._data_in_place is HAS_BF16
+    assert op.dtype == np.float32 and op.converts and op._data_in_place
+    # without the instruction, the float32 layer that widens the data as it reads it
+    assert op.driver.layer.bf16 is HAS_BF16 and op.driver.layer.widens is not HAS_BF16
     single = _bf16_op(mode, T=1)   # the T=1 form runs in float32 between the conversions
     assert single.driver.single and not single._data_in_place
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode,L,D,N", [("lstm", 2, 2, 5), ("gru", 1, 1, 130),
+                                        ("rnn_tanh", 1, 2, 3)])
+def test_half_data_is_widened_in_the_projection_not_copied(monkeypatch, half, mode, L, D, N):
+    """float16 data (and bfloat16 where the layer does not multiply pairs: the CPU's
+    HAS_BF16 patched off) is read in place by the input projection, which widens it 96
+    rows at a time: the op converts its parameters and states but never the data, and
+    the result is the float32 op's on the widened values, rounded (within one place of
+    the half dtype: the projection's tiles may sum in another order)."""
+    import ml_dtypes
+    from fusedrnn import cpu
+    from fusedrnn.cache import thread_cache
+    dtype = np.dtype(ml_dtypes.bfloat16) if half == "bfloat16" else np.dtype(np.float16)
+    monkeypatch.setattr(cpu, "HAS_BF16", False)
+    thread_cache().clear()
+    case, kw, _ = make_case(mode, T=7, N=N, I=9, H=20, L=L, D=D, seed=N)
+    args = {k: v.astype(dtype) for k, v in case.items() if v is not None}
+    converted = []
+    real = cpu.CpuBackend.astype
+    def astype(array, to, out=None):
+        converted.append(array.shape)
+        return real(array, to, out)
+    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    out = fusedrnn.RNN(**args, **kw)
+    monkeypatch.undo()
+    thread_cache().clear()
+    assert converted and case["data"].shape not in converted
+    as_float32 = fusedrnn.RNN(**{k: v.astype(np.float32) for k, v in args.items()}, **kw)
+    assert out.dtype == dtype
+    u = fusedrnn.config.PRECISIONS[dtype.name].unit_roundoff
+    got, want = out.astype(np.float64), as_float32.astype(np.float64)
+    assert np.max(np.abs(got - want)) <= 2 * u * np.max(np.abs(want))
 
 
 def test_the_bf16_layer_rounds_h_for_its_products():

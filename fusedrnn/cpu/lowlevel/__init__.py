@@ -16,6 +16,9 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
                  pack_recurrent_pairs, pack_input_pairs, pack_k_pairs, project_bf16: the
                  bfloat16 path's packers, conversions, input projection and the
                  training GEMMs' products
+    float16      f16_value, f16_bits, widen_f16, narrow_f16, project_widened: float16
+                 as uint16 bits (Numba's CPU target has no float16), and the input
+                 projection reading half-precision rows in place
 
 Words, each in one sense here and in fused.py (three of them used to have several):
     panel        16 columns of a weight, packed (K, 16) contiguous: what the micro-kernel
@@ -43,12 +46,13 @@ from .workshare import claim, finish, new_counters
 from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_cols
 from .bf16gemm import (bf16_bits, narrow, pack_input_pairs, pack_k_pairs, pack_recurrent_pairs,
                        project_bf16, interleave_rows, round_row, round_rows, widen)
+from .float16 import f16_bits, f16_value, narrow_f16, project_widened, widen_f16
 
-__all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "fast_exp",
-           "finish", "interleave_rows", "narrow", "new_counters", "one_like",
+__all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
+           "f16_value", "fast_exp", "finish", "interleave_rows", "narrow", "narrow_f16", "new_counters", "one_like",
            "pack_input_pairs", "pack_input_weights", "pack_k_pairs", "pack_pairs",
            "pack_panel", "pack_recurrent", "pack_recurrent_pairs", "pack_recurrent_rows",
            "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_cols", "panel_gemm_t",
-           "panels", "project", "project_bf16", "round_row", "round_rows", "row_add",
+           "panels", "project", "project_bf16", "project_widened", "round_row", "round_rows", "row_add",
            "row_add3", "row_copy", "select", "sigmoid", "tanh", "tile_settings", "widen",
-           "zero_like"]
+           "widen_f16", "zero_like"]
