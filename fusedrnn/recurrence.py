@@ -148,7 +148,7 @@ class RecurrentOp:
         self.no_lengths = self.xp.empty(0, dtype="int64")
         # Where the op's GEMMs run (the CPU backend caps BLAS's threads for small ones). The
         # forward of a fused layer that projects its own input runs no BLAS at all.
-        self.blas = backend.blas_scope(config, seq_len, batch)
+        self.blas = backend.blas_scope(config, seq_len, batch, own_gemms=self._pairs)
         self._forward_blas = self.blas if not (
             layer is not None and layer.projects_input) else None
         self._backward_scratch = None

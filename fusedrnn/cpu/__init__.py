@@ -86,10 +86,11 @@ class CpuBackend:
                            widens=storage in ("float16", "bfloat16") and not bf16)
 
     @staticmethod
-    def blas_scope(config, seq_len, batch):
+    def blas_scope(config, seq_len, batch, own_gemms=False):
         """The context an op's numpy BLAS calls run in: one thread for a torch program's
-        call (threads.BlasOneThread says why and when), whatever the op's size."""
-        return threads.BLAS_ONE_THREAD
+        call (threads.BlasOneThread says why and when), whatever the op's size; with
+        own_gemms (its large GEMMs on bfloat16 pairs, pair_products) in every program."""
+        return threads.BLAS_ONE_THREAD_ALWAYS if own_gemms else threads.BLAS_ONE_THREAD
 
     @staticmethod
     def pair_products(storage):

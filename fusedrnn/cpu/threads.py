@@ -120,14 +120,15 @@ class BlasOneThread:
     here a change made from a second thread was not always honoured, so a restore from
     one could leave the whole process on one thread."""
 
-    def __init__(self):
+    def __init__(self, always=False):
+        self._always = always   # cap in a numpy program's calls too
         self._entered = []   # the main thread's nested entries: whether each capped
         self._libs, self._saved = None, []
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        cap = TORCH_CALLER.get() is not None and not any(self._entered)
+        cap = (self._always or TORCH_CALLER.get() is not None) and not any(self._entered)
         if cap:
             if self._libs is None:   # scanning the loaded libraries takes ~3 ms: once
                 self._libs = threadpoolctl.ThreadpoolController().select(
@@ -150,3 +151,9 @@ class BlasOneThread:
 
 
 BLAS_ONE_THREAD = BlasOneThread()
+# For an op whose large GEMMs run on its own kernels (bfloat16 pairs), numpy's BLAS is
+# left only small products, after which OpenBLAS's spinning workers slowed the GEMMs that
+# follow by half: cap it in every program. Design size, bfloat16 training step in a numpy
+# program: LSTM 377-392 -> 322-324 ms, rnn_tanh 148-154 -> 103-118.
+# Measured: bench/results/cpu-kernel-notes.md#bf16-openblas-spinning-in-a-numpy-program
+BLAS_ONE_THREAD_ALWAYS = BlasOneThread(always=True)

@@ -31,7 +31,7 @@ class GpuBackend:
         return cupy_persistent_layer(self.xp, config, dtype, batch, storage)
 
     @staticmethod
-    def blas_scope(config, seq_len, batch):
+    def blas_scope(config, seq_len, batch, own_gemms=False):
         """cuBLAS runs on the device: nothing to cap on the host."""
         return contextlib.nullcontext()
 

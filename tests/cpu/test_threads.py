@@ -229,6 +229,24 @@ def test_a_numpy_programs_call_leaves_blas_alone(two_blas_threads):
         assert _blas_threads() == two_blas_threads
 
 
+def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_threads):
+    """bfloat16 pairs (pair_products): numpy's BLAS keeps only small products there, and
+    its spinning workers slowed the op's own GEMMs, so the cap holds in any program and
+    is undone on the way out."""
+    config = RNNConfig(mode="lstm", input_size=8, state_size=8, num_layers=1)
+    scope = BACKEND.blas_scope(config, 5, 3, own_gemms=True)
+    assert scope is threads.BLAS_ONE_THREAD_ALWAYS
+    with scope:
+        assert set(_blas_threads()) == {1}
+    assert _blas_threads() == two_blas_threads
+    import ml_dtypes
+    from fusedrnn.recurrence import RecurrentOp
+    op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(ml_dtypes.bfloat16))
+    assert (op.blas is threads.BLAS_ONE_THREAD_ALWAYS) == BACKEND.pair_products("bfloat16")
+    float_op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(np.float32))
+    assert float_op.blas is threads.BLAS_ONE_THREAD
+
+
 @pytest.mark.parametrize("caller", ["numpy", "torch"])
 def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller):
     token = TORCH_CALLER.set(_StandIn() if caller == "torch" else None)
