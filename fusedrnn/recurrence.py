@@ -242,6 +242,13 @@ class RecurrentOp:
                 "p32": (self.layout.size if on else 0,),
                 "out32": (T if on else 0, N, cfg.directions * cfg.recurrent_size)}
 
+    def _backward_edges(self):
+        T, N, cfg = self.T, self.N, self.config
+        on = self.converts
+        return {"dout32": (T if on else 0, N, cfg.directions * cfg.recurrent_size),
+                "g_data32": (T if on else 0, N, cfg.input_size),
+                "g_params32": (self.layout.size if on else 0,)}
+
     def _inward(self, *arrays):
         return tuple(None if a is None else self.backend.astype(a, self.dtype) for a in arrays)
 
@@ -320,6 +327,10 @@ class RecurrentOp:
                 "dh_carry": (N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
                 "pairs": (self._pair_scratch(),),   # 4-byte elements, viewed as uint32
+                # half precision: the float32 head gradient and the float32 gradients of
+                # data and parameters before their rounding, reused (fresh arrays paid
+                # their page faults on every call: _backward_edges)
+                **self._backward_edges(),
                 **self.driver.backward_scratch(),
             })
             self.nbytes += nbytes
@@ -352,7 +363,10 @@ class RecurrentOp:
         + sum(cy*dcy); any head gradient may be None (zero)."""
         if self.converts:
             data, params, h0, c0 = reserve.inputs
-            dout, dhy, dcy = self._inward(dout, dhy, dcy)
+            b = self._backward_buffers()
+            if dout is not None:
+                dout = self.backend.astype(dout, self.dtype, b.dout32)
+            dhy, dcy = self._inward(dhy, dcy)
         with self.blas:
             grads = self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
         return self._outward(*grads) if self.converts else grads
@@ -362,8 +376,11 @@ class RecurrentOp:
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         cell, lay = cfg.cell, self.layout
         b = self._backward_buffers()
-        g_params = xp.empty(lay.size, dtype=self.dtype)
-        g_data = xp.empty(data.shape, dtype=self.dtype)
+        if self.converts:   # rounded into fresh arrays as they leave
+            g_params, g_data = b.g_params32, b.g_data32
+        else:
+            g_params = xp.empty(lay.size, dtype=self.dtype)
+            g_data = xp.empty(data.shape, dtype=self.dtype)
         g_h0 = xp.empty((L * D, N, R), dtype=self.dtype)
         g_c0 = xp.empty((L * D, N, H), dtype=self.dtype) if cell.has_cell_state else None
         masks = self._length_masks(opts)

@@ -21,6 +21,8 @@ panel_gemm_bf16(a, lda, rows, panel, pstride, npanels, c, ldc, kp)  (Numba intri
 panel_gemm_bf16_cols(...)  the same with A stored by columns: (kp, rows) uint32, pair p
     of row r at a + p*lda + r (the weight gradients' dG^T: dG's rows interleaved in
     pairs, bf16gemm.interleave_rows, with no transposing copy).
+panel_gemm_bf16_acc(...), panel_gemm_bf16_cols_acc(...)  the same two adding A @ B to C
+    (its tiles start from C's values, not zero): a long k in blocks (bf16gemm.K_BLOCK).
 Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
 select the instruction, and the callers must not compile this.
 """
@@ -39,7 +41,8 @@ from numba.extending import intrinsic
 
 from .microkernel import PANEL, _function, emit_tiled_product, panel_count
 
-__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_cols"]
+__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_acc",
+           "panel_gemm_bf16_cols", "panel_gemm_bf16_cols_acc"]
 
 
 def _has_bf16():
@@ -77,9 +80,10 @@ def _link_helper(context):
         active.add_linking_library(lib)
 
 
-def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_columns):
-    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts); A by columns
-    where by_columns."""
+def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_columns,
+               accumulate):
+    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts), or with
+    accumulate C += A @ B; A by columns where by_columns."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     u32, f32 = ir.IntType(32), ir.FloatType()
@@ -89,8 +93,13 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
     a_ptr = builder.inttoptr(a, u32.as_pointer())
     b_ptr = builder.inttoptr(panel, u32.as_pointer())
     c_ptr = builder.inttoptr(c, f32.as_pointer())
-    acc = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in range(group)]
-           for _ in range(rows)]
+    def c_at(r, j):
+        at = builder.add(builder.mul(const(r), ldc), const(j * PANEL))
+        return builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer())
+
+    acc = [[cgutils.alloca_once_value(builder, builder.load(c_at(r, j), align=4) if accumulate
+                                      else ir.Constant(f32v, None))
+            for j in range(group)] for r in range(rows)]
     splat = ir.Constant(ir.VectorType(u32, 16), [0] * 16)
     undef = ir.Constant(u32v, ir.Undefined)
     with cgutils.for_range(builder, kp) as loop:
@@ -108,27 +117,30 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
                 builder.store(builder.call(dot, [builder.load(acc[r][j]), a_vec, b[j]]), acc[r][j])
     for r in range(rows):
         for j in range(group):
-            at = builder.add(builder.mul(const(r), ldc), const(j * PANEL))
-            builder.store(builder.load(acc[r][j]),
-                          builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer()), align=4)
+            builder.store(builder.load(acc[r][j]), c_at(r, j), align=4)
 
 
-def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels, by_columns):
+def _suffix(by_columns, accumulate):
+    return "_bf16" + ("c" if by_columns else "") + ("a" if accumulate else "")
+
+
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels, by_columns,
+               accumulate):
     """microkernel.emit_tiled_product over the bfloat16 tiles: the float32 tiles' shapes
     (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C)."""
-    suffix = "_bf16c" if by_columns else "_bf16"
+    suffix = _suffix(by_columns, accumulate)
 
     def tile(h, group):
         return _function(builder.module, f"fusedrnn_tile{h}x{group}{suffix}", a.type, 7,
                          functools.partial(_emit_tile, rows=h, group=group,
-                                           by_columns=by_columns))
+                                           by_columns=by_columns, accumulate=accumulate))
     emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, kp, npanels=npanels,
                        dtype=np.float32, itemsize=4, transposed=False, tile=tile,
                        a_by_columns=by_columns)
 
 
-def _panel_gemm(by_columns):
-    name = "panel_gemm_bf16_cols" if by_columns else "panel_gemm_bf16"
+def _panel_gemm(by_columns, accumulate=False):
+    name = "panel_gemm_bf16" + ("_cols" if by_columns else "") + ("_acc" if accumulate else "")
 
     def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
         count = panel_count(name, (a, lda, rows, panel, pstride, c, ldc, kp), npanels)
@@ -142,9 +154,10 @@ def _panel_gemm(by_columns):
             ints = [context.cast(builder, args[i], signature.args[i], types.intp)
                     for i in (0, 1, 2, 3, 4, 6, 7, 8)]
             fn = _function(builder.module,
-                           f"fusedrnn_gemm{count}_bf16{'c' if by_columns else ''}",
+                           f"fusedrnn_gemm{count}{_suffix(by_columns, accumulate)}",
                            ints[0].type, 8, functools.partial(_emit_gemm, npanels=count,
-                                                              by_columns=by_columns))
+                                                              by_columns=by_columns,
+                                                              accumulate=accumulate))
             builder.call(fn, ints)
             return context.get_dummy_value()
 
@@ -156,6 +169,8 @@ def _panel_gemm(by_columns):
 
 panel_gemm_bf16 = _panel_gemm(False)
 panel_gemm_bf16_cols = _panel_gemm(True)
+panel_gemm_bf16_acc = _panel_gemm(False, accumulate=True)
+panel_gemm_bf16_cols_acc = _panel_gemm(True, accumulate=True)
 
 
 def pack_pairs(b):

@@ -50,7 +50,8 @@ import numpy as np
 from numba import prange
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial
-from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols
+from .bf16 import (panel_gemm_bf16, panel_gemm_bf16_acc, panel_gemm_bf16_cols,
+                   panel_gemm_bf16_cols_acc)
 from .gemm import CHUNK, QUAD, SERIAL_WORK
 from .microkernel import PANEL
 from .packing import SERIAL_ELEMENTS
@@ -260,14 +261,57 @@ def pack_input_pairs(ws, out):
     return out
 
 
+# Pairs of k per pass of the by-columns product (dW's form): a longer k (the weight
+# gradients' K = T*N) goes in blocks, the tiles of every block after the first adding to
+# C, so that a chunk's A over one block (96 uint32s of each of its rows of pairs) stays in
+# L2 while every panel passes over it. At K = 6000: 6000 x 800 x 800 12.1 -> 9.6 ms,
+# 3200 x 6000 x 800 38.9 -> 33.3 ms (blocks of 500-1500 within 3%). A by rows, whose
+# chunk is contiguous, gained nothing (6000 x 3200 x 800: 30.8 -> 31.4 ms), so it takes
+# its k in one pass.
+# Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
+K_BLOCK = 1024
+# Work items at least (row chunks split into panel groups when few): gemm._project's 8
+# left the 9 chunks of an 800-row product 5 to 4 on two workers. dW_h of rnn_tanh at
+# the design size, 6000 x 800 x 800 by columns: 9.6 -> 8.6 ms.
+# Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
+ITEMS = 16
+
+
+@nb.njit(inline="always", cache=True)
+def _quad(a, lda, rows, panel, pstride, c, ldc, kb, by_columns, accumulate):
+    if by_columns:
+        if accumulate:
+            panel_gemm_bf16_cols_acc(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+        else:
+            panel_gemm_bf16_cols(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+    elif accumulate:
+        panel_gemm_bf16_acc(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+    else:
+        panel_gemm_bf16(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+
+
+@nb.njit(inline="always", cache=True)
+def _single(a, lda, rows, panel, c, ldc, kb, by_columns, accumulate):
+    if by_columns:
+        if accumulate:
+            panel_gemm_bf16_cols_acc(a, lda, rows, panel, 0, 1, c, ldc, kb)
+        else:
+            panel_gemm_bf16_cols(a, lda, rows, panel, 0, 1, c, ldc, kb)
+    elif accumulate:
+        panel_gemm_bf16_acc(a, lda, rows, panel, 0, 1, c, ldc, kb)
+    else:
+        panel_gemm_bf16(a, lda, rows, panel, 0, 1, c, ldc, kb)
+
+
 def _project_bf16(a, wpack, c, spill, by_columns):
     M, C = c.shape
     kp = wpack.shape[1]
     full = C // PANEL
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
-    groups = min(panels, max(1, -(-8 // chunks)))   # gemm._project's split of few chunks
+    groups = min(panels, max(1, -(-ITEMS // chunks)))
     lda = M if by_columns else kp                   # uint32s between k-pairs / rows of A
+    step = K_BLOCK if by_columns else kp
     for item in prange(chunks * groups):
         chunk, group = item // groups, item % groups
         r0 = chunk * CHUNK
@@ -276,28 +320,26 @@ def _project_bf16(a, wpack, c, spill, by_columns):
         c_rows = c.ctypes.data + r0 * C * 4
         first, stop = group * panels // groups, (group + 1) * panels // groups
         whole = min(stop, full)
-        p = first
-        while p + QUAD <= whole:
-            if by_columns:
-                panel_gemm_bf16_cols(a_rows, lda, rows, wpack[p].ctypes.data, kp * PANEL,
-                                     QUAD, c_rows + p * PANEL * 4, C, kp)
-            else:
-                panel_gemm_bf16(a_rows, lda, rows, wpack[p].ctypes.data, kp * PANEL, QUAD,
-                                c_rows + p * PANEL * 4, C, kp)
-            p += QUAD
-        for p in range(p, stop):
-            to, ldc = c_rows + p * PANEL * 4, C
-            if p >= full:
-                to, ldc = np.int64(spill[chunk].ctypes.data), PANEL
-            if by_columns:
-                panel_gemm_bf16_cols(a_rows, lda, rows, wpack[p].ctypes.data, 0, 1, to, ldc,
-                                     kp)
-            else:
-                panel_gemm_bf16(a_rows, lda, rows, wpack[p].ctypes.data, 0, 1, to, ldc, kp)
-            if p >= full:
-                for i in range(rows):
-                    for u in range(C - full * PANEL):
-                        c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
+        for k0 in range(0, kp, step):
+            kb = min(step, kp - k0)
+            later = k0 > 0                           # add to the blocks before
+            a_k = a_rows + (k0 * lda if by_columns else k0) * 4
+            along = k0 * PANEL * 4                   # the block's rows of every panel
+            p = first
+            while p + QUAD <= whole:
+                _quad(a_k, lda, rows, wpack[p].ctypes.data + along, kp * PANEL,
+                      c_rows + p * PANEL * 4, C, kb, by_columns, later)
+                p += QUAD
+            for p in range(p, stop):
+                to, ldc = c_rows + p * PANEL * 4, C
+                if p >= full:
+                    to, ldc = np.int64(spill[chunk].ctypes.data), PANEL
+                _single(a_k, lda, rows, wpack[p].ctypes.data + along, to, ldc, kb, by_columns,
+                        later)
+        if stop > full:
+            for i in range(rows):
+                for u in range(C - full * PANEL):
+                    c[r0 + i, full * PANEL + u] = spill[chunk, i, u]
 
 
 _project_bf16, _project_bf16_serial = parallel_and_serial(_project_bf16)

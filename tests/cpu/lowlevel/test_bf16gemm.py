@@ -11,6 +11,7 @@ import pytest
 
 from fusedrnn.cpu import lowlevel
 from fusedrnn.cpu.lowlevel import CHUNK, PANEL
+from fusedrnn.cpu.lowlevel.bf16gemm import K_BLOCK
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 needs_bf16 = pytest.mark.skipif(not lowlevel.HAS_BF16, reason="the CPU has no AVX512-BF16")
@@ -73,7 +74,11 @@ def test_pack_input_pairs_concatenates_directions(rows, K):
 
 
 @needs_bf16
-@pytest.mark.parametrize("M,K,C", [(5, 8, 16), (3 * CHUNK + 7, 64, 70), (2000, 800, 3200)])
+# (the last two: a k longer than the by-columns form's K_BLOCK, which A by rows takes in
+# one pass)
+@pytest.mark.parametrize("M,K,C", [(5, 8, 16), (3 * CHUNK + 7, 64, 70), (2000, 800, 3200),
+                                   (3 * CHUNK + 7, 2 * 2 * K_BLOCK + 6, 70),
+                                   (40, 2 * K_BLOCK + 2, 24)])
 def test_project_bf16_against_float64(M, K, C):
     rng = np.random.default_rng(M)
     a = exact((M, K), rng).astype(BF16)
@@ -127,7 +132,10 @@ def test_pack_k_pairs_is_pack_pairs_of_the_rounded_matrix(K, C):
 
 
 @needs_bf16
-@pytest.mark.parametrize("K,M,C", [(7, 5, 3), (301, 3 * CHUNK + 7, 70), (6000, 800, 256)])
+@pytest.mark.parametrize("K,M,C", [(7, 5, 3), (301, 3 * CHUNK + 7, 70), (6000, 800, 256),
+                                   # k in two K_BLOCKs and a bit, the later ones added
+                                   # to C (the partial last panel's spill too)
+                                   (4 * K_BLOCK + 1, 2 * CHUNK + 3, 40)])
 def test_project_bf16_by_columns_is_a_transposed_product(K, M, C):
     """A^T @ B with A (K, M) interleaved by rows (the weight gradients' dG^T @ X)."""
     rng = np.random.default_rng(K + M + C)
