@@ -13,9 +13,12 @@ projection or the GEMMs around it. A variant's results are wrong by design: comp
 times only. Variants:
     base       the kernel as it is
     no_cell    the cell loop runs zero times (the row moves and the GEMMs stay)
-    no_gemm    the recurrent product W_h h is skipped (forward only)
-    gemm_only  the per-sample part (row moves and cell) is skipped (forward only)
+    no_gemm    the recurrent product W_h h is skipped
+    gemm_only  the per-sample part (row moves and cell) is skipped
     no_gemm_no_cell   both of the first two (forward only)
+With --backward: base, no_cell, no_gemm (the product dh_rec = dg @ W_h skipped) and
+gemm_only. --dtype bfloat16 times the vdpbf16ps layer (FusedLayer(bf16=True)) on
+bfloat16 data.
 Prints the median and minimum milliseconds per call of each. This is how the figures
 of bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops were measured
 (e.g. `python -m fusedrnn.benchmark.loop_ablation gru --shape 50,64,512,512 --variants base,no_cell`).
@@ -40,6 +43,13 @@ _CELL_BACKWARD = ("                        for u in range(lanes):      # the cel
                   "                            dx0, dx1")
 _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
+_GEMM_BF16 = "                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)\n"
+_GEMM_BACKWARD = ("                    if step > 0 and bf16:   # the same product from bfloat16 pairs\n",
+                  "                    elif step > 0:   # dh_rec = dg_later @ W_h for this block's units\n")
+_SAMPLES_BACKWARD = ("                    for n in range(N):\n"
+                     "                        # Addresses of this sample's rows (all arrays C-contiguous).\n"
+                     "                        trow = tile.ctypes.data + n * row * itemsize\n"
+                     "                        dh_rec_n")
 _SAMPLES = ("                        for n in range(N):\n"
             "                            # Addresses of this sample's rows (all arrays C-contiguous).\n"
             "                            trow = tile.ctypes.data + n * row * itemsize\n"
@@ -48,12 +58,16 @@ CUTS = {
     "forward": {
         "base": [],
         "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
-        "no_gemm": [(_GEMM, _GEMM.replace("elif not single_step:", "elif False:"))],
+        "no_gemm": [(_GEMM, _GEMM.replace("elif not single_step:", "elif False:")),
+                    (_GEMM_BF16, _GEMM_BF16.replace("if bf16:", "if False:"))],
         "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
     },
     "backward": {
         "base": [],
         "no_cell": [(_CELL_BACKWARD, _CELL_BACKWARD.replace("range(lanes)", "range(0)"))],
+        "no_gemm": [(_GEMM_BACKWARD[0], _GEMM_BACKWARD[0].replace("step > 0 and bf16", "False")),
+                    (_GEMM_BACKWARD[1], _GEMM_BACKWARD[1].replace("step > 0", "False"))],
+        "gemm_only": [(_SAMPLES_BACKWARD, _SAMPLES_BACKWARD.replace("range(N)", "range(0)"))],
     },
 }
 CUTS["forward"]["no_gemm_no_cell"] = CUTS["forward"]["no_gemm"] + CUTS["forward"]["no_cell"]
@@ -68,20 +82,21 @@ def variant_source(source, cuts):
     return source.replace("cache=True", "cache=False")
 
 
-def variant_layer(name, cuts, mode, dtype):
+def variant_layer(name, cuts, mode, dtype, bf16=False):
     """A FusedLayer built from the cut source, as a module of its own."""
     module = types.ModuleType(f"fusedrnn.cpu._ablation_{name}")
     module.__package__, module.__file__ = "fusedrnn.cpu", fused.__file__
     with open(fused.__file__) as f:
         exec(compile(variant_source(f.read(), cuts), f"fused.py ({name})", "exec"),
              module.__dict__)
-    return module.FusedLayer(mode, dtype)
+    return module.FusedLayer(mode, dtype, bf16)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=fusedrnn.MODES)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="bfloat16: the data's; the layer is float32's with vdpbf16ps products")
     p.add_argument("--shape", default="300,20,800,800", help="T,N,I,H")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--block", type=int, default=3, help="timed calls per turn, back to back")
@@ -90,9 +105,15 @@ def main():
     args = p.parse_args()
     direction = "backward" if args.backward else "forward"
     names = args.variants.split(",") if args.variants else list(CUTS[direction])
-    dtype = np.dtype(args.dtype)
+    bf16 = args.dtype == "bfloat16"
+    if bf16:
+        import ml_dtypes
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = np.dtype(args.dtype)
     T, N, I, H = (int(v) for v in args.shape.split(","))
-    layers = {name: variant_layer(name, CUTS[direction][name], args.mode, dtype)
+    layers = {name: variant_layer(name, CUTS[direction][name], args.mode,
+                                  np.float32 if bf16 else dtype, bf16)
               for name in names}
 
     rng = np.random.default_rng(0)

@@ -39,7 +39,7 @@ from numba.core import codegen as numba_codegen
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-from .microkernel import PANEL, _function, emit_tiled_product, panel_count
+from .microkernel import PANEL, _function, emit_tiled_product, k_split, panel_count
 
 __all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_acc",
            "panel_gemm_bf16_cols", "panel_gemm_bf16_cols_acc"]
@@ -97,13 +97,20 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
         at = builder.add(builder.mul(const(r), ldc), const(j * PANEL))
         return builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer())
 
-    acc = [[cgutils.alloca_once_value(builder, builder.load(c_at(r, j), align=4) if accumulate
-                                      else ir.Constant(f32v, None))
-            for j in range(group)] for r in range(rows)]
+    # A one-panel tile keeps `split` partial sums per accumulator (pairs p = s mod split),
+    # as the float32 tile does (microkernel.k_split): 6 chains of vdpbf16ps could not
+    # cover its latency, and the backward loop's one-panel products ran at half speed.
+    # Measured: bench/results/cpu-kernel-notes.md#bf16-one-panel-tiles-split-their-sums
+    split = k_split(rows, group, 1)
+    acc = [[[cgutils.alloca_once_value(
+        builder, builder.load(c_at(r, j), align=4) if accumulate and s == 0
+        else ir.Constant(f32v, None)) for s in range(split)]
+        for j in range(group)] for r in range(rows)]
     splat = ir.Constant(ir.VectorType(u32, 16), [0] * 16)
     undef = ir.Constant(u32v, ir.Undefined)
-    with cgutils.for_range(builder, kp) as loop:
-        p = loop.index
+
+    def step(p, s):
+        """The products of pair p into the s-th partial sums."""
         b = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(
             builder.mul(p, const(PANEL)), builder.mul(const(j), pstride))]), u32v.as_pointer()),
             align=4) for j in range(group)]
@@ -114,10 +121,22 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
             a_vec = builder.shuffle_vector(
                 builder.insert_element(undef, pair, ir.Constant(u32, 0)), undef, splat)
             for j in range(group):
-                builder.store(builder.call(dot, [builder.load(acc[r][j]), a_vec, b[j]]), acc[r][j])
+                builder.store(builder.call(dot, [builder.load(acc[r][j][s]), a_vec, b[j]]),
+                              acc[r][j][s])
+
+    rounds = builder.udiv(kp, const(split))
+    with cgutils.for_range(builder, rounds) as loop:
+        for s in range(split):
+            step(builder.add(builder.mul(loop.index, const(split)), const(s)), s)
+    tail = builder.mul(rounds, const(split))       # the kp % split left over
+    with cgutils.for_range(builder, builder.sub(kp, tail)) as loop:
+        step(builder.add(tail, loop.index), 0)
     for r in range(rows):
         for j in range(group):
-            builder.store(builder.load(acc[r][j]), c_at(r, j), align=4)
+            total = builder.load(acc[r][j][0])
+            for s in range(1, split):
+                total = builder.fadd(total, builder.load(acc[r][j][s]))
+            builder.store(total, c_at(r, j), align=4)
 
 
 def _suffix(by_columns, accumulate):
