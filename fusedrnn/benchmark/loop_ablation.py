@@ -45,11 +45,11 @@ _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
 _GEMM_BF16 = "                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)\n"
 _GEMM_BACKWARD = ("                    if step > 0 and bf16:   # the same product from bfloat16 pairs\n",
-                  "                    elif step > 0:   # dh_rec = dg_later @ W_h for this block's units\n")
-_SAMPLES_BACKWARD = ("                    for n in range(N):\n"
-                     "                        # Addresses of this sample's rows (all arrays C-contiguous).\n"
-                     "                        trow = tile.ctypes.data + n * row * itemsize\n"
-                     "                        dh_rec_n")
+                  "                    elif step > 0:\n")
+_SAMPLES_BACKWARD = ("                        for n in range(N):\n"
+                     "                            # Addresses of this sample's rows (all arrays C-contiguous).\n"
+                     "                            trow = tile.ctypes.data + n * row * itemsize\n"
+                     "                            dh_rec_n")
 _SAMPLES = ("                        for n in range(N):\n"
             "                            # Addresses of this sample's rows (all arrays C-contiguous).\n"
             "                            trow = tile.ctypes.data + n * row * itemsize\n"

@@ -85,13 +85,14 @@ TILE_GROUPS = 16
 
 
 @nb.njit(inline="always", cache=True)
-def _hand_over(tiles, first, N, like):
-    """After a pair's product (note above _make_layer_forward): the second block's sums,
-    left in group _R + 1 of the first block's tile, moved to group _R of its own."""
+def _hand_over(tiles, first, N, group, like):
+    """After a pair's product (note above _make_layer_forward; the backward's, note above
+    PAIR_ROWS): the second block's sums, left in group `group` + 1 of the first
+    block's tile, moved to group `group` of its own."""
     row, itemsize = tiles.shape[2], tiles.itemsize
     for n in range(N):
-        row_copy(tiles[first + 1].ctypes.data + (n * row + _R * PANEL) * itemsize,
-                 tiles[first].ctypes.data + (n * row + (_R + 1) * PANEL) * itemsize, PANEL,
+        row_copy(tiles[first + 1].ctypes.data + (n * row + group * PANEL) * itemsize,
+                 tiles[first].ctypes.data + (n * row + (group + 1) * PANEL) * itemsize, PANEL,
                  like)
 
 
@@ -169,7 +170,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                             kp * PANEL, 2,
                                             tiles[first].ctypes.data + _R * PANEL * itemsize,
                                             row, kp)
-                            _hand_over(tiles, first, N, like)
+                            _hand_over(tiles, first, N, _R, like)
                         else:
                             panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
                                             kp * PANEL, gates,
@@ -183,7 +184,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                        H * PANEL, 2,
                                        tiles[first].ctypes.data + _R * PANEL * itemsize, row,
                                        H, like)
-                            _hand_over(tiles, first, N, like)
+                            _hand_over(tiles, first, N, _R, like)
                         else:   # all G gate panels of the block in one product
                             panel_gemm(h_prev_addr, H, N, wpack[first, 0].ctypes.data,
                                        H * PANEL, gates,
@@ -308,6 +309,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
         blocks = (wpairs_rows if bf16 else wpack_rows).shape[0]
         kp = dg16.shape[2] // 2                             # bf16: pairs of dg per row
+        pair = 2 if N >= PAIR_ROWS else 1
+        claims = -(-blocks // pair)   # work items: pairs of blocks
         for worker in prange(workers):   # each walks every step (workshare.py)
             for step in range(T):
                 t = T - 1 - step if d == 0 else step           # forward order reversed
@@ -316,92 +319,110 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                 nxt = t + 1 if d == 0 else t
                 done = 0
                 while True:
-                    b = claim(counters, step, worker, workers, blocks)
-                    if b < 0:
+                    q = claim(counters, step, worker, workers, claims)
+                    if q < 0:
                         break
                     done += 1
-                    tile = tiles[b]
-                    j0 = b * PANEL
-                    width = min(PANEL, H - j0)
-                    dh_rec = tile.ctypes.data + _DHR * PANEL * itemsize
+                    first = q * pair
+                    two = first + 1 < min(blocks, first + pair)
+                    dh_rec = tiles[first].ctypes.data + _DHR * PANEL * itemsize
+                    # dh_rec = dg_later @ W_h for this claim's units: a pair of blocks in
+                    # one product (note above PAIR_ROWS), the second's handed over
                     if step > 0 and bf16:   # the same product from bfloat16 pairs
-                        panel_gemm_bf16(dg16.ctypes.data + ((step - 1) % 2) * N * kp * 4, kp,
-                                        N, wpairs_rows[b].ctypes.data, 0, 1, dh_rec, row, kp)
-                    elif step > 0:   # dh_rec = dg_later @ W_h for this block's units
-                        panel_gemm(dg_rows + later * N * lda * itemsize, lda, N,
-                                   wpack_rows[b].ctypes.data, 0, 1, dh_rec, row, GH, like)
-                    else:
+                        dg_pairs = dg16.ctypes.data + ((step - 1) % 2) * N * kp * 4
+                        if two:
+                            panel_gemm_bf16(dg_pairs, kp, N, wpairs_rows[first].ctypes.data,
+                                            kp * PANEL, 2, dh_rec, row, kp)
+                            _hand_over(tiles, first, N, _DHR, like)
+                        else:
+                            panel_gemm_bf16(dg_pairs, kp, N, wpairs_rows[first].ctypes.data,
+                                            0, 1, dh_rec, row, kp)
+                    elif step > 0:
+                        dg_later = dg_rows + later * N * lda * itemsize
+                        if two:
+                            panel_gemm(dg_later, lda, N, wpack_rows[first].ctypes.data,
+                                       GH * PANEL, 2, dh_rec, row, GH, like)
+                            _hand_over(tiles, first, N, _DHR, like)
+                        else:
+                            panel_gemm(dg_later, lda, N, wpack_rows[first].ctypes.data, 0, 1,
+                                       dh_rec, row, GH, like)
+                    for b in range(first, min(blocks, first + pair)):
+                        tile = tiles[b]
+                        j0 = b * PANEL
+                        width = min(PANEL, H - j0)
+                        if step == 0:
+                            for n in range(N):
+                                row_copy(tile.ctypes.data + (n * row + _DHR * PANEL) * itemsize,
+                                         dh_rec0.ctypes.data + (n * H + j0) * itemsize, width,
+                                         like)
                         for n in range(N):
-                            row_copy(dh_rec + n * row * itemsize,
-                                     dh_rec0.ctypes.data + (n * H + j0) * itemsize, width, like)
-                    for n in range(N):
-                        # Addresses of this sample's rows (all arrays C-contiguous).
-                        trow = tile.ctypes.data + n * row * itemsize
-                        dh_rec_n = trow + _DHR * PANEL * itemsize
-                        sample = t * N + n
-                        dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
-                        dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
-                        dgx_n = dgx.ctypes.data + (sample * dgx.shape[2] + col + j0) * itemsize
-                        dgh_n = dgh.ctypes.data + (sample * dgh.shape[2] + col + j0) * itemsize
-                        if not (all_active or t < lengths[n]):
-                            # Past this sample's length: no gate gradient, dh and dc pass on.
-                            for g in range(gates):
-                                for u in range(width):
-                                    dgx[t, n, col + g * H + j0 + u] = 0
-                                    if split:
-                                        dgh[t, n, col + g * H + j0 + u] = 0
-                                    if bf16:
-                                        dg16[step % 2, n, g * H + j0 + u] = 0
-                            row_add(dh_carry_n, dh_carry_n, dh_rec_n, width, like)
-                            continue
-                        dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
-                        row_add3(trow + _DH * PANEL * itemsize, dh_rec_n, dy_n, dh_carry_n,
-                                 width, like)
-                        rec = saved.ctypes.data + (
-                            (d * T * N + sample) * saved.shape[3] + j0) * itemsize
-                        for k in range(saved_width):
-                            row_copy(trow + (_SV + k) * PANEL * itemsize, rec + k * H * itemsize,
+                            # Addresses of this sample's rows (all arrays C-contiguous).
+                            trow = tile.ctypes.data + n * row * itemsize
+                            dh_rec_n = trow + _DHR * PANEL * itemsize
+                            sample = t * N + n
+                            dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
+                            dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
+                            dgx_n = dgx.ctypes.data + (sample * dgx.shape[2] + col + j0) * itemsize
+                            dgh_n = dgh.ctypes.data + (sample * dgh.shape[2] + col + j0) * itemsize
+                            if not (all_active or t < lengths[n]):
+                                # Past this sample's length: no gate gradient, dh and dc pass on.
+                                for g in range(gates):
+                                    for u in range(width):
+                                        dgx[t, n, col + g * H + j0 + u] = 0
+                                        if split:
+                                            dgh[t, n, col + g * H + j0 + u] = 0
+                                        if bf16:
+                                            dg16[step % 2, n, g * H + j0 + u] = 0
+                                row_add(dh_carry_n, dh_carry_n, dh_rec_n, width, like)
+                                continue
+                            dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
+                            row_add3(trow + _DH * PANEL * itemsize, dh_rec_n, dy_n, dh_carry_n,
                                      width, like)
-                        row_copy(trow + _HPB * PANEL * itemsize,
-                                 h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
-                        if has_c:   # (the other cells never read these)
-                            row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
-                            row_copy(trow + _CPB * PANEL * itemsize,
-                                     c_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
-                            row_copy(trow + _CT * PANEL * itemsize,
-                                     c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
-                        for u in range(lanes):      # the cell, on the tile alone
-                            dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
-                                mode, tile[n, dh_in + u], tile[n, dc_in + u],
-                                tile[n, rec_in[0] + u], tile[n, rec_in[1] + u],
-                                tile[n, rec_in[2] + u], tile[n, rec_in[3] + u],
-                                tile[n, h_prev_in + u], tile[n, c_prev_in + u],
-                                tile[n, c_t_in + u], clip_lo, clip_hi, clip_flags)
-                            tile[n, dx_out[0] + u] = dx0
-                            tile[n, dx_out[1] + u] = dx1
-                            tile[n, dx_out[2] + u] = dx2
-                            tile[n, dx_out[3] + u] = dx3
-                            tile[n, rec_in[0] + u] = dr0
-                            tile[n, rec_in[1] + u] = dr1
-                            tile[n, rec_in[2] + u] = dr2
-                            tile[n, rec_in[3] + u] = dr3
-                            tile[n, dh_out + u] = dhc
-                            tile[n, dc_out + u] = dcc
-                        for g in range(gates):          # scatter
-                            row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
-                                     width, like)
-                            if split:
-                                row_copy(dgh_n + g * H * itemsize,
-                                         trow + (_SV + g) * PANEL * itemsize, width, like)
-                        if bf16:   # the next step's product reads these, rounded
-                            for g in range(gates):
-                                src = rec_in[g] if split else dx_out[g]
-                                round_row(dg16[step % 2, n, g * H + j0:g * H + j0 + width],
-                                          tile[n, src:src + np.uint64(width)])
-                        row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
-                        if has_c:
-                            row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
-                finish(counters, step, done, blocks)
+                            rec = saved.ctypes.data + (
+                                (d * T * N + sample) * saved.shape[3] + j0) * itemsize
+                            for k in range(saved_width):
+                                row_copy(trow + (_SV + k) * PANEL * itemsize, rec + k * H * itemsize,
+                                         width, like)
+                            row_copy(trow + _HPB * PANEL * itemsize,
+                                     h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                            if has_c:   # (the other cells never read these)
+                                row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
+                                row_copy(trow + _CPB * PANEL * itemsize,
+                                         c_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                                row_copy(trow + _CT * PANEL * itemsize,
+                                         c_rows + ((nxt * N + n) * H + j0) * itemsize, width, like)
+                            for u in range(lanes):      # the cell, on the tile alone
+                                dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dhc, dcc = backward_unit(
+                                    mode, tile[n, dh_in + u], tile[n, dc_in + u],
+                                    tile[n, rec_in[0] + u], tile[n, rec_in[1] + u],
+                                    tile[n, rec_in[2] + u], tile[n, rec_in[3] + u],
+                                    tile[n, h_prev_in + u], tile[n, c_prev_in + u],
+                                    tile[n, c_t_in + u], clip_lo, clip_hi, clip_flags)
+                                tile[n, dx_out[0] + u] = dx0
+                                tile[n, dx_out[1] + u] = dx1
+                                tile[n, dx_out[2] + u] = dx2
+                                tile[n, dx_out[3] + u] = dx3
+                                tile[n, rec_in[0] + u] = dr0
+                                tile[n, rec_in[1] + u] = dr1
+                                tile[n, rec_in[2] + u] = dr2
+                                tile[n, rec_in[3] + u] = dr3
+                                tile[n, dh_out + u] = dhc
+                                tile[n, dc_out + u] = dcc
+                            for g in range(gates):          # scatter
+                                row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
+                                         width, like)
+                                if split:
+                                    row_copy(dgh_n + g * H * itemsize,
+                                             trow + (_SV + g) * PANEL * itemsize, width, like)
+                            if bf16:   # the next step's product reads these, rounded
+                                for g in range(gates):
+                                    src = rec_in[g] if split else dx_out[g]
+                                    round_row(dg16[step % 2, n, g * H + j0:g * H + j0 + width],
+                                              tile[n, src:src + np.uint64(width)])
+                            row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
+                            if has_c:
+                                row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
+                finish(counters, step, done, claims)
 
     return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_backward)
 
@@ -425,6 +446,12 @@ SERIAL_WORK = 1 << 19
 # One-gate blocks go in pairs from this many samples (the note above _make_layer_forward):
 # at N=1 a 1 x 2 tile has two sums and no split, and rnn_tanh T=100 N=1 H=512 measured
 # 0.91-0.94x; from N=4 the pairs measured 1.06-1.22x; N=2-3 was within noise.
+# The backward's product dh_rec = dg_later @ W_h has one panel per block (16 units of
+# dh) for every cell: from PAIR_ROWS samples its work items are pairs of blocks too, their
+# two panels in one product (8 x 2 tiles instead of 6 x 1), the second's sums handed over
+# (_hand_over). Design-size backward loops, float32: LSTM 108 -> 79 ms, GRU 83 -> 62,
+# rnn_tanh 33 -> 25; bfloat16 LSTM 76 -> 59; smaller shapes no slower.
+# Measured: bench/results/cpu-kernel-notes.md#fused-the-backwards-product-in-pairs
 PAIR_ROWS = 4
 SERIAL_POINTWISE = 1 << 14
 
