@@ -39,8 +39,8 @@ from fusedrnn.cpu import fused
 # longer occurs raises, so the script cannot quietly time the uncut kernel.
 _CELL_FORWARD = ("                            for u in range(lanes):      # the cell, on the tile alone\n"
                  "                                h, c, s0")
-_CELL_BACKWARD = ("                        for u in range(lanes):      # the cell, on the tile alone\n"
-                  "                            dx0, dx1")
+_CELL_BACKWARD = ("                            for u in range(lanes):      # the cell, on the tile alone\n"
+                  "                                dx0, dx1")
 _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
 _GEMM_BF16 = "                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)\n"
