@@ -351,11 +351,13 @@ class RecurrentOp:
             return 0
         return max(self.backend.pair_scratch(*shape) for shape in self._gemm_shapes())
 
-    def _gemm(self, b, a, w, out, transpose_a=False):
+    def _gemm(self, b, a, w, out, transpose_a=False, a_again=False):
         """out = a @ w (a^T @ w): the backward's GEMMs, on the backend's half-precision
-        products where the op has them (self._pairs), else in self.dtype."""
+        products where the op has them (self._pairs), else in self.dtype. a_again: the
+        same a as the call before (its pairs are reused)."""
         if self._pairs:
-            return self.backend.matmul(a, w, out, transpose_a, pairs=b.pairs.view(np.uint32))
+            return self.backend.matmul(a, w, out, transpose_a, pairs=b.pairs.view(np.uint32),
+                                       a_paired=a_again)
         return self.backend.matmul(a, w, out, transpose_a)
 
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
@@ -430,7 +432,8 @@ class RecurrentOp:
         gemm = self._gemm
         gemm(b, b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x"), transpose_a=True)
         gemm(b, dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
-             lay.view(g_params, layer, d, "W_h"), transpose_a=True)
+             lay.view(g_params, layer, d, "W_h"), transpose_a=True,
+             a_again=not cell.split_gate_grads)
         if proj:
             gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)

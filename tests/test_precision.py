@@ -176,6 +176,35 @@ def test_the_backward_gemms_run_on_pairs_where_the_backend_has_them(monkeypatch,
     assert set(seen) == {dtype == "bfloat16" and CpuBackend.pair_products(dtype)}
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_the_weight_gradients_share_dg_pairs_only_where_dg_is_shared(monkeypatch, mode):
+    """Cells whose gate gradients are not split (LSTM) interleave dG once for both weight
+    gradients (matmul's a_paired); the gradients are bit for bit those of interleaving it
+    twice. GRU's W_h gradient has its own dG and never reuses."""
+    from fusedrnn.cache import thread_cache
+    from fusedrnn.cpu import BACKEND, CpuBackend
+    case, kw, heads = make_case(mode, T=9, N=4, I=6, H=20, L=1, D=2, seed=4)
+    half = {k: v.astype(HALF["bfloat16"]) for k, v in case.items() if v is not None}
+    head = heads["dout"].astype(HALF["bfloat16"])
+
+    def grads():
+        thread_cache().clear()
+        *_, handle = fusedrnn.RNN(**half, **kw, train=True)
+        return fusedrnn.rnn_backward(handle, head)
+    shared = grads()
+    flags, real = [], CpuBackend.matmul
+    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False):
+        flags.append(a_paired)
+        return real(a, b, out, transpose_a, pairs)   # never reuses
+    monkeypatch.setattr(BACKEND, "matmul", matmul)
+    alone = grads()
+    pairs = CpuBackend.pair_products("bfloat16")
+    assert flags.count(True) == (2 if pairs and mode == "lstm" else 0)   # a direction each
+    for name in ("data", "parameters"):
+        assert np.array_equal(getattr(shared, name).view(np.uint16),
+                              getattr(alone, name).view(np.uint16)), name
+
+
 def test_float16_and_bfloat16_of_one_shape_get_their_own_ops():
     """The op cache keys on the dtype's name: bfloat16's str ('<V2') is any 2-byte void's."""
     case, kw, _ = make_case("gru", T=3, N=2, I=4, H=16, seed=2)

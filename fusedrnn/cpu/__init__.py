@@ -47,13 +47,16 @@ def _own_product(a, b, out):
     return project(a, pack_recurrent_rows(b), out, spill)
 
 
-def _pair_product(a, b, out, transpose_a, pairs):
+def _pair_product(a, b, out, transpose_a, pairs, a_paired=False):
     """out = a @ b, or a^T @ b, from bfloat16 pairs (a and b rounded to bfloat16, float32
-    sums: lowlevel/bf16gemm.py's layouts); pairs: CpuBackend.pair_scratch's uint32s."""
+    sums: lowlevel/bf16gemm.py's layouts); pairs: CpuBackend.pair_scratch's uint32s, their
+    first part already holding a's pairs where a_paired."""
     M, K = a.shape[::-1] if transpose_a else a.shape
     C, kp = b.shape[1], -(-K // 2)
     n_a, n_b = M * kp, panels(C) * kp * PANEL
-    if transpose_a:   # a^T by columns: a's rows interleaved in pairs, no transposing copy
+    if a_paired:
+        a_pairs = pairs[:n_a].reshape((kp, M) if transpose_a else (M, kp))
+    elif transpose_a:   # a^T by columns: a's rows interleaved in pairs, no transposing copy
         a_pairs = interleave_rows(a, pairs[:n_a].reshape(kp, M))
     else:
         a_pairs = round_rows(a, pairs[:n_a].view(np.uint16).reshape(M, 2 * kp)).view(np.uint32)
@@ -109,7 +112,7 @@ class CpuBackend:
         return M * kp + panels(C) * kp * PANEL + -(-M // CHUNK) * CHUNK * PANEL
 
     @staticmethod
-    def matmul(a, b, out, transpose_a=False, pairs=None):
+    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False):
         """out = a @ b, or a^T @ b (the op's large GEMMs: the input projection where the
         fused layer does not run it, the input and weight gradients).
         a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
@@ -122,7 +125,10 @@ class CpuBackend:
         thread 534 ms, torch's 438 ms). In a torch program a large float32 a^T @ b
         (OWN_GRADIENT_*) takes torch's transposing copy of a, then the micro-kernel.
         With `pairs` (a flat uint32 scratch of pair_scratch(M, K, C); only where
-        pair_products said so) a float32 product runs on bfloat16 pairs instead.
+        pair_products said so) a float32 product runs on bfloat16 pairs instead;
+        a_paired: `pairs` still holds this a's pairs from the call before (the two weight
+        gradients of a cell whose gate gradients are not split share dG: its interleave,
+        3.5 ms of the design-size LSTM's step, is made once).
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
         #threads-blas-on-one-thread"""
         M, K = a.shape[::-1] if transpose_a else a.shape
@@ -130,7 +136,7 @@ class CpuBackend:
         same = a.dtype == b.dtype == out.dtype
         if pairs is not None and same and out.dtype == np.float32 and out.flags.c_contiguous \
                 and a.strides[1] == b.strides[1] == 4:
-            return _pair_product(a, b, out, transpose_a, pairs)
+            return _pair_product(a, b, out, transpose_a, pairs, a_paired)
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)
