@@ -69,6 +69,8 @@ class FusedLayer(Protocol):
     fuses_single_step: bool   # True: it also implements SingleStep (used at T=1)
     reads_storage: bool       # True: project() also takes layer 0's input in the data's
                               # own dtype (half precision), read in place
+    reads_weights: bool       # True: project() and forward() also take W_x and W_h in the
+                              # data's own dtype (the parameters in place; biases float32)
 
     def forward_scratch(self, config, steps, batch) -> dict:
         """{name: shape} of scratch in the data's dtype, carved once per op; forward and
@@ -132,6 +134,8 @@ class RecurrentOp:
         # An inference forward hands such a layer the data as it came, unconverted.
         self._data_in_place = (layer is not None and layer.reads_storage and
                                layer.projects_input and not self.driver.single)
+        # ... and its weights: an inference then converts the biases alone (into b32)
+        self._weights_in_place = self._data_in_place and layer.reads_weights
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
@@ -238,7 +242,9 @@ class RecurrentOp:
         T, N, cfg = self.T, self.N, self.config
         on = self.converts
         data = on and not (scratch and self._data_in_place)
-        return {"x32": (T if data else 0, N, cfg.input_size),
+        biases = scratch and self._weights_in_place
+        return {"b32": (cfg.num_layers * cfg.directions * 2 * cfg.gate_rows if biases else 0,),
+                "x32": (T if data else 0, N, cfg.input_size),
                 "p32": (self.layout.size if on else 0,),
                 "out32": (T if on else 0, N, cfg.directions * cfg.recurrent_size)}
 
@@ -260,24 +266,41 @@ class RecurrentOp:
     def forward(self, data, params, h0, c0, opts, reserve=None):
         """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
         records what backward needs into it."""
-        out = None
+        out = biases = None
         if self.converts:
             keep, convert = (reserve or self.scratch), self.backend.astype
             if not (self._data_in_place and reserve is None):
                 data = convert(data, self.dtype, keep.x32)
-            params = convert(params, self.dtype, keep.p32)
+            if self._weights_in_place and reserve is None:
+                biases = self._biases(params)   # the weights are read as they came
+            else:
+                params = convert(params, self.dtype, keep.p32)
             h0, c0 = self._inward(h0, c0)
             if reserve is not None:
                 reserve.inputs = (data, params, h0, c0)
             out = self.scratch.out32
         if self._forward_blas is None:
-            outputs = self._forward(data, params, h0, c0, opts, reserve, out)
+            outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases)
         else:
             with self._forward_blas:
-                outputs = self._forward(data, params, h0, c0, opts, reserve, out)
+                outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases)
         return self._outward(*outputs) if self.converts else outputs
 
-    def _forward(self, data, params, h0, c0, opts, reserve, out=None):
+    def _biases(self, params):
+        """{(layer, d, kind): float32 bias} for kind b_x and b_h, converted into scratch.b32
+        from the half-precision parameters."""
+        cfg, GH, lay = self.config, self.config.gate_rows, self.layout
+        biases, at = {}, 0
+        for layer in range(cfg.num_layers):
+            for d in range(cfg.directions):
+                for kind in ("b_x", "b_h"):
+                    biases[layer, d, kind] = self.backend.astype(
+                        lay.view(params, layer, d, kind), self.dtype,
+                        self.scratch.b32[at:at + GH])
+                    at += GH
+        return biases
+
+    def _forward(self, data, params, h0, c0, opts, reserve, out=None, biases=None):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         lstm, training = cfg.cell.has_cell_state, reserve is not None
@@ -297,7 +320,8 @@ class RecurrentOp:
             cs = reserve.cs[layer] if training else self.scratch.cs
             self.driver.layer_forward(layer, x, params, h0, c0, y, opts, masks, hs, cs,
                                       hraw=reserve.hraw[layer] if training else None,
-                                      saved=reserve.saved[layer] if training else None)
+                                      saved=reserve.saved[layer] if training else None,
+                                      biases=biases)
             for d in range(D):
                 last = T if d == 0 else 0
                 hy[layer * D + d] = hs[d, last]
@@ -465,7 +489,10 @@ class StepDriver:
         lengths = self.op.no_lengths if opts.lengths is None else opts.lengths
         return lengths, t, opts.clip_lo, opts.clip_hi, opts.clip_flags
 
-    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved):
+    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved,
+                      biases=None):
+        if biases is not None:   # (only a FusedLayer that reads_weights gets them)
+            raise ValueError("StepDriver.layer_forward: the parameters must be converted")
         op = self.op
         xp, cfg, T, N, s, lay = op.xp, op.config, op.T, op.N, op.scratch, op.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
@@ -578,7 +605,10 @@ class FusedDriver:
         lengths = self.op.no_lengths if opts.lengths is None else opts.lengths
         return lengths, opts.clip_lo, opts.clip_hi, opts.clip_flags
 
-    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved):
+    def layer_forward(self, layer, x, params, h0, c0, y, opts, masks, hs, cs, hraw, saved,
+                      biases=None):
+        """biases: None, or {(layer, d, kind): float32 b_x / b_h} where params is the
+        data's half-precision vector, its weights read in place (FusedLayer.reads_weights)."""
         op, fused = self.op, self.layer
         cfg, T, N, lay = op.config, op.T, op.N, op.layout
         D, GH = cfg.directions, cfg.gate_rows
@@ -593,7 +623,9 @@ class FusedDriver:
         xproj = op.scratch.xproj.reshape(T, N, D * GH)
         for d in range(D):
             op.initial_state(layer, d, h0, c0, hs, cs)
-            w_h, b_x, b_h = (lay.view(params, layer, d, k) for k in ("W_h", "b_x", "b_h"))
+            w_h = lay.view(params, layer, d, "W_h")
+            b_x, b_h = ((lay.view(params, layer, d, k) if biases is None else biases[layer, d, k])
+                        for k in ("b_x", "b_h"))
             if self.single:
                 fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
                                      w_h, b_x, b_h, hs, cs, y, record, scratch,

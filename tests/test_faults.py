@@ -43,6 +43,7 @@ def fault(monkeypatch):
                                projects_input=layer.projects_input,
                                fuses_single_step=layer.fuses_single_step,
                                reads_storage=layer.reads_storage,
+                               reads_weights=layer.reads_weights,
                                forward=wrap(layer.forward),
                                forward_single=wrap(layer.forward_single),
                                backward=wrap(layer.backward))

@@ -474,6 +474,11 @@ class FusedLayer:
         # Design-size LSTM: projection 60-64 -> 32-34 ms, loop 72-77 -> 44-48 ms.
         # Measured: bench/results/cpu-kernel-notes.md#bf16-the-fused-forward-in-bfloat16-issue-25
         self.bf16 = self.reads_storage = bf16
+        # ... and its W_x and W_h as bfloat16 bits, packed into pairs as they are (an
+        # inference converts no weights: the design-size LSTM's packing 3.0 -> 0.8 ms, and
+        # no 1 ms widening of 5.1M parameters first).
+        # Measured: bench/results/cpu-kernel-notes.md#bf16-weights-read-in-place
+        self.reads_weights = bf16
         # float16 data (and bfloat16 without AVX512-BF16) on the float32 layer: the widening
         # form (fused_layer(..., widens=True), a copy sharing the compiled code) reads
         # layer 0's data in place, project_widened converting 96 rows at a time, so the
@@ -561,7 +566,7 @@ class FusedLayer:
                 a = a16.view(np.uint32)
             wpairs = scratch.wx_pairs[:panels(out.shape[1]) * kp * PANEL].view(
                 np.uint32).reshape(-1, kp, PANEL)
-            pack_input_pairs(w_xs, wpairs)
+            pack_input_pairs([_bits_or_values(w) for w in w_xs], wpairs)
             project_bf16(a, wpairs, out, scratch.spill)
             return
         wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
@@ -584,7 +589,8 @@ class FusedLayer:
                              f"(T=1 scratch is forward_single's)")
         h16, wpairs = self._no_h16, self._no_pairs
         if self.bf16:
-            wpairs = pack_recurrent_pairs(w_h, self.gates, wpack.view(np.uint32))
+            wpairs = pack_recurrent_pairs(_bits_or_values(w_h), self.gates,
+                                          wpack.view(np.uint32))
             h16 = scratch.h16.view(np.uint16)   # (D, T+1, N, 2*kp)
             first = 0 if d == 0 else hs.shape[1] - 1
             round_rows(hs[d, first], h16[d, first])
@@ -675,6 +681,11 @@ class FusedLayer:
 
 _layers: dict = {}
 _lock = threading.Lock()
+
+
+def _bits_or_values(w):
+    """A weight for the pair packers: bfloat16 as its bits (uint16), float32 as it is."""
+    return w.view(np.uint16) if w.dtype.name == "bfloat16" else w
 
 
 def own_gemm(dtype):

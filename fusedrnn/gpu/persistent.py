@@ -307,7 +307,7 @@ class PersistentLayer:
 
     projects_input = False
     fuses_single_step = False
-    reads_storage = False
+    reads_storage = reads_weights = False
 
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp

@@ -408,6 +408,39 @@ def test_half_data_is_widened_in_the_projection_not_copied(monkeypatch, half, mo
     assert np.max(np.abs(got - want)) <= 2 * u * np.max(np.abs(want))
 
 
+@pytest.mark.parametrize("mode,L,D", [("lstm", 2, 2), ("gru", 1, 1)])
+def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
+    """Where the layer multiplies bfloat16 pairs, an inference converts neither the data
+    nor the parameter vector: only the biases (and states), and its output is the same
+    bits as the training forward's, which packs the weights from their float32 copies."""
+    import ml_dtypes
+    from fusedrnn import cpu
+    from fusedrnn.cache import thread_cache
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    thread_cache().clear()
+    case, kw, _ = make_case(mode, T=6, N=5, I=8, H=24, L=L, D=D, seed=3)
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
+    converted, real = [], cpu.CpuBackend.astype
+    def astype(array, to, out=None):
+        converted.append(array.size)
+        return real(array, to, out)
+    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    out = fusedrnn.RNN(**half, **kw)
+    monkeypatch.undo()
+    from fusedrnn.recurrence import RecurrentOp
+    op = RecurrentOp(cpu.BACKEND, RNNConfig(mode=mode, input_size=8, state_size=24,
+                                            num_layers=L, bidirectional=D == 2),
+                     6, 5, np.dtype(ml_dtypes.bfloat16))
+    assert op._weights_in_place is HAS_BF16
+    if HAS_BF16:
+        assert half["parameters"].size not in converted and half["data"].size not in converted
+        GH = CELLS[mode].gates * 24
+        assert converted.count(GH) >= 2 * L * D   # the biases
+    out_train, handle = fusedrnn.RNN(**half, **kw, train=True)
+    handle.release()
+    assert np.array_equal(out.view(np.uint16), out_train.view(np.uint16))
+
+
 def test_the_bf16_layer_rounds_h_for_its_products():
     """Where it runs, the bfloat16 layer's output differs from float32's rounded (it
     multiplies h_{t-1} rounded to bfloat16) and its own training forward, which reads the

@@ -13,11 +13,12 @@ round_rows(src, dst)
     dst  (M, 2*kp) uint16     out  src rounded to bfloat16, a zero in the odd-K pad
 pack_recurrent_pairs(w_h, gates, out)
     w_h  (G*H, K) float32     in   values already bfloat16 (the op's float32 copies of
-                                   bfloat16 parameters): the packing is exact
+                                   bfloat16 parameters): the packing is exact; or uint16,
+                                   the bfloat16 bits themselves (the parameters in place)
     out  (B, G, kp, 16) uint32 out panel [b, g]: gate g's units 16b..16b+15 as columns
                                    of W_h^T (pack_recurrent's order), zero past H and K
 pack_input_pairs(ws, out)
-    ws   sequence of (G*H, K) float32, each direction's W_x
+    ws   sequence of (G*H, K) float32, each direction's W_x (or uint16 bits, as above)
     out  (P, kp, 16) uint32   out  panel p: rows 16p..16p+15 of the concatenated ws as
                                    columns (pack_input_weights's order), zero past the end
 widen(src, dst) / narrow(src, dst)
@@ -47,7 +48,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial
 from .bf16 import (panel_gemm_bf16, panel_gemm_bf16_acc, panel_gemm_bf16_cols,
@@ -202,10 +204,25 @@ def narrow(src, dst):
     return dst
 
 
+def _bits(x):
+    """(Numba only) bfloat16 bits of a weight: a float32 holding a bfloat16 value, or the
+    bits themselves (uint16: the data's own parameters, read in place)."""
+    raise NotImplementedError("_bits is compiled by Numba only")
+
+
+@overload(_bits)
+def _bits_of(x):
+    if isinstance(x, types.Float):
+        return lambda x: bf16_bits(x)
+    if isinstance(x, types.Integer):
+        return lambda x: np.uint32(x)
+    return None
+
+
 @nb.njit(inline="always", cache=True)
 def _pair(w, r, k, K):
-    low = bf16_bits(w[r, k])
-    high = bf16_bits(w[r, k + 1]) if k + 1 < K else np.uint32(0)
+    low = _bits(w[r, k])
+    high = _bits(w[r, k + 1]) if k + 1 < K else np.uint32(0)
     return low | (high << np.uint32(16))
 
 
