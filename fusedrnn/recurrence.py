@@ -152,7 +152,8 @@ class RecurrentOp:
         self.no_lengths = self.xp.empty(0, dtype="int64")
         # Where the op's GEMMs run (the CPU backend caps BLAS's threads for small ones). The
         # forward of a fused layer that projects its own input runs no BLAS at all.
-        self.blas = backend.blas_scope(config, seq_len, batch, own_gemms=self._pairs)
+        self.blas = backend.blas_scope(config, seq_len, batch,
+                                       own_gemms=self._pairs and layer is not None)
         self._forward_blas = self.blas if not (
             layer is not None and layer.projects_input) else None
         self._backward_scratch = None
@@ -242,10 +243,10 @@ class RecurrentOp:
         T, N, cfg = self.T, self.N, self.config
         on = self.converts
         data = on and not (scratch and self._data_in_place)
-        biases = scratch and self._weights_in_place
+        biases = scratch and self._weights_in_place   # then no p32 either
         return {"b32": (cfg.num_layers * cfg.directions * 2 * cfg.gate_rows if biases else 0,),
                 "x32": (T if data else 0, N, cfg.input_size),
-                "p32": (self.layout.size if on else 0,),
+                "p32": (self.layout.size if on and not biases else 0,),
                 "out32": (T if on else 0, N, cfg.directions * cfg.recurrent_size)}
 
     def _backward_edges(self):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -47,6 +48,9 @@ def _own_product(a, b, out):
     return project(a, pack_recurrent_rows(b), out, spill)
 
 
+_last_pairs = threading.local()   # _pair_product's last a, per thread
+
+
 def _pair_product(a, b, out, transpose_a, pairs, a_paired=False):
     """out = a @ b, or a^T @ b, from bfloat16 pairs (a and b rounded to bfloat16, float32
     sums: lowlevel/bf16gemm.py's layouts); pairs: CpuBackend.pair_scratch's uint32s, their
@@ -54,12 +58,16 @@ def _pair_product(a, b, out, transpose_a, pairs, a_paired=False):
     M, K = a.shape[::-1] if transpose_a else a.shape
     C, kp = b.shape[1], -(-K // 2)
     n_a, n_b = M * kp, panels(C) * kp * PANEL
-    if a_paired:
+    # a_paired holds only where this thread's last pair product took this same a into
+    # these same pairs (else they are made again)
+    mine = (a.ctypes.data, a.shape, a.strides, transpose_a, pairs.ctypes.data)
+    if a_paired and getattr(_last_pairs, "a", None) == mine:
         a_pairs = pairs[:n_a].reshape((kp, M) if transpose_a else (M, kp))
     elif transpose_a:   # a^T by columns: a's rows interleaved in pairs, no transposing copy
         a_pairs = interleave_rows(a, pairs[:n_a].reshape(kp, M))
     else:
         a_pairs = round_rows(a, pairs[:n_a].view(np.uint16).reshape(M, 2 * kp)).view(np.uint32)
+    _last_pairs.a = mine
     b_pairs = pack_k_pairs(b, pairs[n_a:n_a + n_b].reshape(-1, kp, PANEL))
     spill = pairs[n_a + n_b:n_a + n_b + -(-M // CHUNK) * CHUNK * PANEL].view(np.float32)
     return project_bf16(a_pairs, b_pairs, out, spill.reshape(-1, CHUNK, PANEL),

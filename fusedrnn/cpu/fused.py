@@ -54,7 +54,8 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
-                       project_widened, round_row, round_rows, row_add, row_add3, row_copy, zero_like)
+                       project_widened, round_row, round_rows, row_add, row_add3, row_copy,
+                       zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -283,7 +284,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
     itemsize = np.dtype(dtype).itemsize
     row = TILE_GROUPS * PANEL
     # Backward tile groups: 0 dh_rec; 1 dh; 2 dc in; 3..6 record; 7 h_prev; 8 c_prev; 9 c_t;
-    # 10..13 dx per gate; 14 dh carry out; 15 dc carry out; dr per gate reuses 3..6.
+    # 10..13 dx per gate; 14 dh carry out; 15 dc carry out; dr per gate reuses 3..6. A pair's
+    # product leaves the second block's dh_rec in group 1 until _hand_over moves it.
     _DHR, _DH, _DC, _SV, _HPB, _CPB, _CT, _DX, _DHC, _DCC = 0, 1, 2, 3, 7, 8, 9, 10, 14, 15
     # The cell's columns, unsigned so the cell loop vectorises (note above _columns).
     dh_in, dc_in, h_prev_in, c_prev_in, c_t_in, dh_out, dc_out = _columns(
@@ -309,8 +311,9 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
         blocks = (wpairs_rows if bf16 else wpack_rows).shape[0]
         kp = dg16.shape[2] // 2                             # bf16: pairs of dg per row
-        pair = 2 if N >= PAIR_ROWS else 1
-        claims = -(-blocks // pair)   # work items: pairs of blocks
+        # pairs where they leave every worker a claim (many cores, few blocks: singles)
+        pair = 2 if N >= PAIR_ROWS and blocks >= 2 * workers else 1
+        claims = -(-blocks // pair)   # work items: pairs of blocks, or blocks
         for worker in prange(workers):   # each walks every step (workshare.py)
             for step in range(T):
                 t = T - 1 - step if d == 0 else step           # forward order reversed
@@ -361,7 +364,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                             dh_rec_n = trow + _DHR * PANEL * itemsize
                             sample = t * N + n
                             dh_carry_n = dh_carry.ctypes.data + (n * H + j0) * itemsize
-                            dc_carry_n = dc_carry.ctypes.data + (n * dc_carry.shape[1] + j0) * itemsize
+                            dc_carry_n = dc_carry.ctypes.data + (
+                                n * dc_carry.shape[1] + j0) * itemsize
                             dgx_n = dgx.ctypes.data + (sample * dgx.shape[2] + col + j0) * itemsize
                             dgh_n = dgh.ctypes.data + (sample * dgh.shape[2] + col + j0) * itemsize
                             if not (all_active or t < lengths[n]):
@@ -381,8 +385,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                             rec = saved.ctypes.data + (
                                 (d * T * N + sample) * saved.shape[3] + j0) * itemsize
                             for k in range(saved_width):
-                                row_copy(trow + (_SV + k) * PANEL * itemsize, rec + k * H * itemsize,
-                                         width, like)
+                                row_copy(trow + (_SV + k) * PANEL * itemsize,
+                                         rec + k * H * itemsize, width, like)
                             row_copy(trow + _HPB * PANEL * itemsize,
                                      h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
                             if has_c:   # (the other cells never read these)
@@ -409,8 +413,8 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                                 tile[n, dh_out + u] = dhc
                                 tile[n, dc_out + u] = dcc
                             for g in range(gates):          # scatter
-                                row_copy(dgx_n + g * H * itemsize, trow + (_DX + g) * PANEL * itemsize,
-                                         width, like)
+                                row_copy(dgx_n + g * H * itemsize,
+                                         trow + (_DX + g) * PANEL * itemsize, width, like)
                                 if split:
                                     row_copy(dgh_n + g * H * itemsize,
                                              trow + (_SV + g) * PANEL * itemsize, width, like)
@@ -447,7 +451,8 @@ SERIAL_WORK = 1 << 19
 # at N=1 a 1 x 2 tile has two sums and no split, and rnn_tanh T=100 N=1 H=512 measured
 # 0.91-0.94x; from N=4 the pairs measured 1.06-1.22x; N=2-3 was within noise.
 # The backward's product dh_rec = dg_later @ W_h has one panel per block (16 units of
-# dh) for every cell: from PAIR_ROWS samples its work items are pairs of blocks too, their
+# dh) for every cell: from PAIR_ROWS samples, where there are at least two blocks per
+# worker (so that pairing leaves no worker idle), its work items are pairs of blocks, their
 # two panels in one product (8 x 2 tiles instead of 6 x 1), the second's sums handed over
 # (_hand_over). Design-size backward loops, float32: LSTM 108 -> 79 ms, GRU 83 -> 62,
 # rnn_tanh 33 -> 25; bfloat16 LSTM 76 -> 59; smaller shapes no slower.

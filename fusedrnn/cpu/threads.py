@@ -114,7 +114,8 @@ class BlasOneThread:
     Linear + loss beside a fusedrnn training step took 2.2x as long, the step itself
     1.5x). There the op's large GEMMs run on torch's pool instead (CpuBackend.matmul),
     so what stays on numpy's BLAS is small. In a numpy program the second thread makes
-    the training GEMMs faster, so there the count is left alone.
+    the training GEMMs faster, so there the count is left alone, except by an op whose
+    large GEMMs run on its own kernels (BLAS_ONE_THREAD_ALWAYS, below).
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread
     Calls from other threads leave it alone too: OpenBLAS's count is process-wide, and
     here a change made from a second thread was not always honoured, so a restore from

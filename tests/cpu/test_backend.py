@@ -123,3 +123,27 @@ def test_matmul_on_bfloat16_pairs(shape, transpose_a):
     assert np.max(np.abs(out - want)) <= 4 * K * 2.0 ** -24 * np.max(np.abs(a64) @ np.abs(b64))
     full = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - full)) > 1e-4 * np.max(np.abs(full))
+
+
+@pytest.mark.skipif(not cpu.HAS_BF16, reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_a_paired_reuses_only_the_same_a(transpose_a):
+    """matmul(..., a_paired=True) takes a's pairs from the scratch only where this
+    thread's last pair product made them from this very a; after another a it makes them
+    again. Either way the result is the product of a and b."""
+    M, K, C = 40, 64, 24
+    rng = np.random.default_rng(5)
+    shape = (K, M) if transpose_a else (M, K)
+    a1, a2 = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    b1, b2 = (rng.standard_normal((K, C)).astype(np.float32) for _ in range(2))
+    pairs = np.zeros(CpuBackend.pair_scratch(M, K, C), np.uint32)
+
+    def product(a, b, **kw):
+        out = np.full((M, C), np.nan, np.float32)
+        return CpuBackend.matmul(a, b, out, transpose_a=transpose_a, pairs=pairs, **kw)
+    want = {(i, j): product(a, b) for i, a in enumerate((a1, a2))
+            for j, b in enumerate((b1, b2))}
+    product(a1, b1)
+    assert np.array_equal(product(a1, b2, a_paired=True), want[0, 1])   # reused
+    assert np.array_equal(product(a2, b2, a_paired=True), want[1, 1])   # another a: made
+    assert np.array_equal(product(a2.copy(), b1, a_paired=True), want[1, 0])

@@ -432,6 +432,7 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
                                             num_layers=L, bidirectional=D == 2),
                      6, 5, np.dtype(ml_dtypes.bfloat16))
     assert op._weights_in_place is HAS_BF16
+    assert (op.scratch.p32.size == 0) is HAS_BF16   # no float32 copy of them carved
     if HAS_BF16:
         assert half["parameters"].size not in converted and half["data"].size not in converted
         GH = CELLS[mode].gates * 24

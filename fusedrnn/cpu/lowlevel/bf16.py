@@ -21,8 +21,8 @@ panel_gemm_bf16(a, lda, rows, panel, pstride, npanels, c, ldc, kp)  (Numba intri
 panel_gemm_bf16_cols(...)  the same with A stored by columns: (kp, rows) uint32, pair p
     of row r at a + p*lda + r (the weight gradients' dG^T: dG's rows interleaved in
     pairs, bf16gemm.interleave_rows, with no transposing copy).
-panel_gemm_bf16_acc(...), panel_gemm_bf16_cols_acc(...)  the same two adding A @ B to C
-    (its tiles start from C's values, not zero): a long k in blocks (bf16gemm.K_BLOCK).
+panel_gemm_bf16_cols_acc(...)  the by-columns product adding A @ B to C (its tiles start
+    from C's values, not zero): a long k in blocks (bf16gemm.K_BLOCK).
 Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
 select the instruction, and the callers must not compile this.
 """
@@ -41,8 +41,8 @@ from numba.extending import intrinsic
 
 from .microkernel import PANEL, _function, emit_tiled_product, k_split, panel_count
 
-__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_acc",
-           "panel_gemm_bf16_cols", "panel_gemm_bf16_cols_acc"]
+__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_cols",
+           "panel_gemm_bf16_cols_acc"]
 
 
 def _has_bf16():
@@ -188,7 +188,6 @@ def _panel_gemm(by_columns, accumulate=False):
 
 panel_gemm_bf16 = _panel_gemm(False)
 panel_gemm_bf16_cols = _panel_gemm(True)
-panel_gemm_bf16_acc = _panel_gemm(False, accumulate=True)
 panel_gemm_bf16_cols_acc = _panel_gemm(True, accumulate=True)
 
 

@@ -52,8 +52,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial
-from .bf16 import (panel_gemm_bf16, panel_gemm_bf16_acc, panel_gemm_bf16_cols,
-                   panel_gemm_bf16_cols_acc)
+from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols, panel_gemm_bf16_cols_acc
 from .gemm import CHUNK, QUAD, SERIAL_WORK
 from .microkernel import PANEL
 from .packing import SERIAL_ELEMENTS
@@ -240,7 +239,8 @@ _pack_recurrent_pairs, _pack_recurrent_pairs_serial = parallel_and_serial(_pack_
 
 
 def pack_recurrent_pairs(w_h, gates, out):
-    """W_h (G*H, K) float32 -> (B, G, kp, 16) uint32 pairs (docstring above)."""
+    """W_h (G*H, K) float32 or bfloat16 bits -> (B, G, kp, 16) uint32 pairs (docstring
+    above)."""
     with LAUNCH_LOCK:
         small = w_h.size <= SERIAL_ELEMENTS
         (_pack_recurrent_pairs_serial if small else _pack_recurrent_pairs)(w_h, gates, out)
@@ -287,37 +287,32 @@ def pack_input_pairs(ws, out):
 # its k in one pass.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
 K_BLOCK = 1024
-# Work items at least (row chunks split into panel groups when few): gemm._project's 8
-# left the 9 chunks of an 800-row product 5 to 4 on two workers. dW_h of rnn_tanh at
-# the design size, 6000 x 800 x 800 by columns: 9.6 -> 8.6 ms.
+# Work items at least of the by-columns form (row chunks split into panel groups when
+# few; by rows gemm._project's 8): 8 left the 9 chunks of an 800-row product 5 to 4 on
+# two workers. dW_h of rnn_tanh at the design size, 6000 x 800 x 800: 9.6 -> 8.6 ms.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
 ITEMS = 16
 
 
+# (By rows k is one pass, so only the by-columns form adds to C.)
 @nb.njit(inline="always", cache=True)
-def _quad(a, lda, rows, panel, pstride, c, ldc, kb, by_columns, accumulate):
-    if by_columns:
-        if accumulate:
-            panel_gemm_bf16_cols_acc(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
-        else:
-            panel_gemm_bf16_cols(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
-    elif accumulate:
-        panel_gemm_bf16_acc(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
-    else:
+def _quad(a, lda, rows, panel, pstride, c, ldc, kb, by_columns, later):
+    if not by_columns:
         panel_gemm_bf16(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+    elif later:
+        panel_gemm_bf16_cols_acc(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
+    else:
+        panel_gemm_bf16_cols(a, lda, rows, panel, pstride, QUAD, c, ldc, kb)
 
 
 @nb.njit(inline="always", cache=True)
-def _single(a, lda, rows, panel, c, ldc, kb, by_columns, accumulate):
-    if by_columns:
-        if accumulate:
-            panel_gemm_bf16_cols_acc(a, lda, rows, panel, 0, 1, c, ldc, kb)
-        else:
-            panel_gemm_bf16_cols(a, lda, rows, panel, 0, 1, c, ldc, kb)
-    elif accumulate:
-        panel_gemm_bf16_acc(a, lda, rows, panel, 0, 1, c, ldc, kb)
-    else:
+def _single(a, lda, rows, panel, c, ldc, kb, by_columns, later):
+    if not by_columns:
         panel_gemm_bf16(a, lda, rows, panel, 0, 1, c, ldc, kb)
+    elif later:
+        panel_gemm_bf16_cols_acc(a, lda, rows, panel, 0, 1, c, ldc, kb)
+    else:
+        panel_gemm_bf16_cols(a, lda, rows, panel, 0, 1, c, ldc, kb)
 
 
 def _project_bf16(a, wpack, c, spill, by_columns):
@@ -326,7 +321,7 @@ def _project_bf16(a, wpack, c, spill, by_columns):
     full = C // PANEL
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
-    groups = min(panels, max(1, -(-ITEMS // chunks)))
+    groups = min(panels, max(1, -(-(ITEMS if by_columns else 8) // chunks)))
     lda = M if by_columns else kp                   # uint32s between k-pairs / rows of A
     step = K_BLOCK if by_columns else kp
     for item in prange(chunks * groups):
