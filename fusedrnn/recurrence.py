@@ -136,6 +136,9 @@ class RecurrentOp:
                                layer.projects_input and not self.driver.single)
         # ... and its weights: an inference then converts the biases alone (into b32)
         self._weights_in_place = self._data_in_place and layer.reads_weights
+        # A training forward too reads the data in place where the backward's GEMMs run
+        # on pairs (the weight gradient packs the data's bits as they are): no x32.
+        self._trains_in_place = self._data_in_place and self._pairs
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
@@ -242,7 +245,7 @@ class RecurrentOp:
     def _edge_buffers(self, scratch=False):
         T, N, cfg = self.T, self.N, self.config
         on = self.converts
-        data = on and not (scratch and self._data_in_place)
+        data = on and not (self._trains_in_place or (scratch and self._data_in_place))
         biases = scratch and self._weights_in_place   # then no p32 either
         return {"b32": (cfg.num_layers * cfg.directions * 2 * cfg.gate_rows if biases else 0,),
                 "x32": (T if data else 0, N, cfg.input_size),
@@ -270,7 +273,7 @@ class RecurrentOp:
         out = biases = None
         if self.converts:
             keep, convert = (reserve or self.scratch), self.backend.astype
-            if not (self._data_in_place and reserve is None):
+            if not (self._data_in_place and (reserve is None or self._trains_in_place)):
                 data = convert(data, self.dtype, keep.x32)
             if self._weights_in_place and reserve is None:
                 biases = self._biases(params)   # the weights are read as they came

@@ -142,8 +142,10 @@ class CpuBackend:
         M, K = a.shape[::-1] if transpose_a else a.shape
         C = b.shape[1]
         same = a.dtype == b.dtype == out.dtype
-        if pairs is not None and same and out.dtype == np.float32 and out.flags.c_contiguous \
-                and a.strides[1] == b.strides[1] == 4:
+        # (on pairs b may also be bfloat16: a training's layer-0 data, read in place)
+        if pairs is not None and a.dtype == out.dtype == np.float32 and \
+                b.dtype.name in ("float32", "bfloat16") and out.flags.c_contiguous and \
+                a.strides[1] == 4 and b.strides[1] == b.itemsize:
             return _pair_product(a, b, out, transpose_a, pairs, a_paired)
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:

@@ -442,6 +442,28 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
     assert np.array_equal(out.view(np.uint16), out_train.view(np.uint16))
 
 
+def test_a_bf16_training_step_reads_the_data_in_place(monkeypatch):
+    """Where the backward's GEMMs run on pairs (CpuBackend.pair_products), a training
+    forward and its backward never convert the data: the projection reads its pairs, the
+    weight gradient packs its bits (pack_k_pairs takes bfloat16)."""
+    import ml_dtypes
+    from fusedrnn import cpu
+    from fusedrnn.cache import thread_cache
+    thread_cache().clear()
+    case, kw, heads = make_case("lstm", T=6, N=5, I=8, H=24, L=2, D=2, seed=8)
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
+    converted, real = [], cpu.CpuBackend.astype
+    def astype(array, to, out=None):
+        if np.dtype(to) == np.float32:   # (the gradients leave the other way)
+            converted.append(array.shape)
+        return real(array, to, out)
+    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    out, handle = fusedrnn.RNN(**half, **kw, train=True)
+    grads = fusedrnn.rnn_backward(handle, heads["dout"].astype(ml_dtypes.bfloat16))
+    assert grads.data.dtype == half["data"].dtype
+    assert (half["data"].shape not in converted) is cpu.CpuBackend.pair_products("bfloat16")
+
+
 def test_the_bf16_layer_rounds_h_for_its_products():
     """Where it runs, the bfloat16 layer's output differs from float32's rounded (it
     multiplies h_{t-1} rounded to bfloat16) and its own training forward, which reads the

@@ -32,7 +32,8 @@ interleave_rows(src, dst)
                                    and src[2p+1, m] (high half), zero past K: src^T as A
                                    stored by columns (bf16.panel_gemm_bf16_cols)
 pack_k_pairs(src, out)
-    src  (K, C) float32       in   any row stride, unit column stride
+    src  (K, C) float32       in   any row stride, unit column stride (or bfloat16, its bits
+                                   taken as they are: a training's layer-0 data in place)
     out  (P, kp, 16) uint32   out  src as panels of pairs of k (bf16.py's layout: pair p of
                                    column j holds src[2p, j] and src[2p+1, j]), rounded to
                                    bfloat16, zero past K and C
@@ -143,10 +144,9 @@ def _pack_k_pairs(src, out):
                 if c >= C:
                     out[j, p, u] = 0
                 elif k + 1 < K:
-                    out[j, p, u] = bf16_bits(src[k, c]) | (bf16_bits(src[k + 1, c]) <<
-                                                           np.uint32(16))
+                    out[j, p, u] = _bits(src[k, c]) | (_bits(src[k + 1, c]) << np.uint32(16))
                 else:
-                    out[j, p, u] = bf16_bits(src[k, c])
+                    out[j, p, u] = _bits(src[k, c])
 
 
 _pack_k_pairs, _pack_k_pairs_serial = parallel_and_serial(_pack_k_pairs)
@@ -156,7 +156,9 @@ def pack_k_pairs(src, out):
     """out (P, kp, 16) uint32 = src (K, C) as panels of bfloat16 pairs of k (docstring
     above)."""
     K, C = src.shape
-    if out.shape != (-(-C // PANEL), -(-K // 2), PANEL) or src.strides[1] != 4:
+    if src.dtype.name == "bfloat16":   # its bits, as they are
+        src = src.view(np.uint16)
+    if out.shape != (-(-C // PANEL), -(-K // 2), PANEL) or src.strides[1] != src.itemsize:
         raise ValueError(f"pack_k_pairs: out {out.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
     with LAUNCH_LOCK:

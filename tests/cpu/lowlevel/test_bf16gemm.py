@@ -172,3 +172,13 @@ def test_round_row_rounds_a_slice_as_round_rows_does():
     lowlevel.round_rows(src, want)
     assert np.array_equal(dst[:, 3:24], want[:, 3:24])
     assert (dst[:, :3] == 0x7777).all() and (dst[:, 24:] == 0x7777).all()
+
+
+def test_pack_k_pairs_takes_bfloat16_bits_as_they_are():
+    """A bfloat16 src (a training's data, read in place) packs to the same pairs as its
+    float32 values."""
+    rng = np.random.default_rng(11)
+    src = exact((9, 37), rng)
+    want = lowlevel.pack_k_pairs(src, np.empty((3, 5, PANEL), np.uint32))
+    got = lowlevel.pack_k_pairs(src.astype(BF16), np.full((3, 5, PANEL), 7, np.uint32))
+    assert np.array_equal(got, want)
