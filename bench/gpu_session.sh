@@ -13,10 +13,11 @@
 #                                          # slices (FUSEDRNN_GPU_TILE): parity of the
 #                                          # tiled plans, then the design-doc cases under
 #                                          # each, cuDNN beside; what the plan's rule awaits
-#   bash bench/gpu_session.sh half         # issue 25: the tensor-core products (float16,
-#                                          # bfloat16): their GPU tests, then the design
-#                                          # size against cuDNN in the same dtype, with
-#                                          # the float32 products beside (at most 9 min)
+#   bash bench/gpu_session.sh half         # issue 25: the tensor-core products and the
+#                                          # half GEMMs (float16, bfloat16): their GPU
+#                                          # tests, then the design size against cuDNN in
+#                                          # the same dtype, with the float32 products
+#                                          # beside (at most 9 min)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -91,9 +92,10 @@ case "$phase" in
         ;;
     half)   # extra arguments go to fusedrnn.benchmark.half (e.g. --modes lstm --rounds 2)
         info | tee "$OUT/info.txt"
-        pytest_gpu half-tests.log 150 tests/gpu/test_parity.py tests/torch/test_cuda.py \
+        pytest_gpu half-tests.log 180 tests/gpu/test_parity.py tests/torch/test_cuda.py \
             -k "float16 or half or autocast"
-        FUSEDRNN_GPU_TENSOR_CORES=1 timeout -s KILL 90 $PY -m fusedrnn.benchmark.gpu_phases \
+        FUSEDRNN_GPU_TENSOR_CORES=1 FUSEDRNN_GPU_HALF_GEMMS=1 timeout -s KILL 90 \
+            $PY -m fusedrnn.benchmark.gpu_phases \
             --dtype float16 --modes lstm,gru 2>&1 | tee "$OUT/half-phases.log"
         timeout -s KILL 300 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
             --modes lstm,gru "$@" 2>&1 | tee "$OUT/half.log"

@@ -120,15 +120,17 @@ class RecurrentOp:
         # dtype: the data's; self.dtype: the one everything inside runs in (config.PRECISIONS).
         self.io_dtype = dtype
         self.converts = PRECISIONS[dtype.name].compute != dtype.name
-        # The backward's GEMMs on the backend's half-precision products where it has them
-        # for this storage (CpuBackend.pair_products: bfloat16 pairs), else in self.dtype.
-        self._pairs = self.converts and backend.pair_products(dtype.name)
+        # The backward's GEMMs (and the input projection where the backend runs it there:
+        # pair_projection) on the backend's half-precision products where it has them for
+        # this storage (CpuBackend.pair_products: bfloat16 pairs; GpuBackend's: cuBLAS in
+        # half), else in self.dtype. stored_as: float32 data standing for that half dtype
+        # (op.RNN's _stored_as); _half: the half dtype the data is stored in, if any.
+        self._half = dtype.name if self.converts else stored_as
+        self._pairs = self._half is not None and backend.pair_products(self._half)
         dtype = np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N, self.dtype = seq_len, batch, dtype
         self.layout = ParamLayout(config)
-        # stored_as: float32 data standing for that half dtype (op.RNN's _stored_as).
-        layer = backend.fused_layer(config, dtype, batch,
-                                    storage=self.io_dtype.name if self.converts else stored_as)
+        layer = backend.fused_layer(config, dtype, batch, storage=self._half)
         self.driver = FusedDriver(self, layer) if layer is not None else \
             StepDriver(self, *backend.cell_kernels(config.mode, dtype))
         # An inference forward hands such a layer the data as it came, unconverted.
@@ -139,6 +141,7 @@ class RecurrentOp:
         # A training forward too reads the data in place where the backward's GEMMs run
         # on pairs (the weight gradient packs the data's bits as they are): no x32.
         self._trains_in_place = self._data_in_place and self._pairs
+        self._projects_in_half = self._pairs and backend.pair_projection
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
@@ -150,6 +153,9 @@ class RecurrentOp:
             "ys": (min(L - 1, 2), T, N, D * R),
             **self._edge_buffers(scratch=True),
             "empty": (0, 0),
+            # the input projection's half copies (project_input)
+            "pairs": (max(backend.pair_scratch(T * N, config.layer_input_size(layer), D * GH)
+                          for layer in range(L)) if self._projects_in_half else 0,),
             **self.driver.forward_scratch(),
         })
         self.no_lengths = self.xp.empty(0, dtype="int64")
@@ -200,9 +206,15 @@ class RecurrentOp:
         return packed
 
     def project_input(self, layer, x, params):
-        """scratch.xproj = W_x x_t of every step and both directions, one GEMM."""
+        """scratch.xproj = W_x x_t of every step and both directions, one GEMM (in half
+        where _projects_in_half)."""
         x2d = x.reshape(self.T * self.N, -1)
-        self.backend.matmul(x2d, self.packed_wx(params, layer).T, self.scratch.xproj)
+        w_t = self.packed_wx(params, layer).T
+        if self._projects_in_half:
+            self.backend.matmul(x2d, w_t, self.scratch.xproj,
+                                pairs=self.scratch.pairs.view(np.uint32), half=self._half)
+        else:
+            self.backend.matmul(x2d, w_t, self.scratch.xproj)
 
     def steps(self, d):
         return range(self.T) if d == 0 else range(self.T - 1, -1, -1)
@@ -385,7 +397,7 @@ class RecurrentOp:
         same a as the call before (its pairs are reused)."""
         if self._pairs:
             return self.backend.matmul(a, w, out, transpose_a, pairs=b.pairs.view(np.uint32),
-                                       a_paired=a_again)
+                                       a_paired=a_again, half=self._half)
         return self.backend.matmul(a, w, out, transpose_a)
 
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):

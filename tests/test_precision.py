@@ -193,9 +193,9 @@ def test_the_weight_gradients_share_dg_pairs_only_where_dg_is_shared(monkeypatch
         return fusedrnn.rnn_backward(handle, head)
     shared = grads()
     flags, real = [], CpuBackend.matmul
-    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False):
+    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half="bfloat16"):
         flags.append(a_paired)
-        return real(a, b, out, transpose_a, pairs)   # never reuses
+        return real(a, b, out, transpose_a, pairs, half=half)   # never reuses
     monkeypatch.setattr(BACKEND, "matmul", matmul)
     alone = grads()
     pairs = CpuBackend.pair_products("bfloat16")

@@ -8,8 +8,9 @@ round.
 
 CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32.
 CUDA: cuDNN (torch.nn) in the dtype, fusedrnn's persistent kernels with their tensor-core
-products (FUSEDRNN_GPU_TENSOR_CORES=1), and fusedrnn as it runs by default (the same
-kernels' float32 products on the half data). Prints per round and peer the median of 5 blocks of 3
+products and its large GEMMs in half (FUSEDRNN_GPU_TENSOR_CORES=1 FUSEDRNN_GPU_HALF_GEMMS=1),
+and fusedrnn as it runs by default (the same kernels' float32 products and GEMMs on the
+half data). Prints per round and peer the median of 5 blocks of 3
 back-to-back calls (on CUDA each block ends with a synchronize), and the ratio of the
 medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is faster).
 """
@@ -29,9 +30,11 @@ PEERS = {
     "cpu": {"torch": ("torch.nn", None, {}), "fusedrnn": ("fusedrnn.torch", None, {}),
             "fusedrnn-f32": ("fusedrnn.torch", "float32", {})},
     "cuda": {"torch": ("torch.nn", None, {}),
-             "fusedrnn": ("fusedrnn.torch", None, {"FUSEDRNN_GPU_TENSOR_CORES": "1"}),
+             "fusedrnn": ("fusedrnn.torch", None, {"FUSEDRNN_GPU_TENSOR_CORES": "1",
+                                                   "FUSEDRNN_GPU_HALF_GEMMS": "1"}),
              "fusedrnn-f32-products": ("fusedrnn.torch", None,
-                                       {"FUSEDRNN_GPU_TENSOR_CORES": "0"})},
+                                       {"FUSEDRNN_GPU_TENSOR_CORES": "0",
+                                        "FUSEDRNN_GPU_HALF_GEMMS": "0"})},
 }
 
 

@@ -96,6 +96,10 @@ class CpuBackend:
         return fused_layer(config.mode, dtype, bf16=bf16,
                            widens=storage in ("float16", "bfloat16") and not bf16)
 
+    # Its fused layers project their own input (on bfloat16 pairs where the products run
+    # in bfloat16); the step path's projection (op.project_input) stays float32.
+    pair_projection = False
+
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
         """The context an op's numpy BLAS calls run in: one thread for a torch program's
@@ -120,7 +124,7 @@ class CpuBackend:
         return M * kp + panels(C) * kp * PANEL + -(-M // CHUNK) * CHUNK * PANEL
 
     @staticmethod
-    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False):
+    def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half="bfloat16"):
         """out = a @ b, or a^T @ b (the op's large GEMMs: the input projection where the
         fused layer does not run it, the input and weight gradients).
         a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
@@ -133,12 +137,15 @@ class CpuBackend:
         thread 534 ms, torch's 438 ms). In a torch program a large float32 a^T @ b
         (OWN_GRADIENT_*) takes torch's transposing copy of a, then the micro-kernel.
         With `pairs` (a flat uint32 scratch of pair_scratch(M, K, C); only where
-        pair_products said so) a float32 product runs on bfloat16 pairs instead;
+        pair_products said so; `half` names the pairs' type, bfloat16 here) a float32
+        product runs on bfloat16 pairs instead;
         a_paired: `pairs` still holds this a's pairs from the call before (the two weight
         gradients of a cell whose gate gradients are not split share dG: its interleave,
         3.5 ms of the design-size LSTM's step, is made once).
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
         #threads-blas-on-one-thread"""
+        if pairs is not None and half != "bfloat16":
+            raise ValueError(f"matmul: the CPU's pairs are bfloat16, got half={half!r}")
         M, K = a.shape[::-1] if transpose_a else a.shape
         C = b.shape[1]
         same = a.dtype == b.dtype == out.dtype

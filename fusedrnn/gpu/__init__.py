@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import halfgemm
 from .kernels import cupy_cell_kernels
 from .persistent import cupy_persistent_layer
 
@@ -18,8 +19,13 @@ class GpuBackend:
     name = "cuda"
     array_name = "cupy.ndarray"
 
+    # The op's input projection runs through matmul(..., pairs=) too where pair_products
+    # holds (the CPU's fused layers project their own input instead).
+    pair_projection = True
+
     def __init__(self, cupy):
         self.xp = cupy
+        self._half_gemm = None
 
     def cell_kernels(self, mode, dtype):
         return cupy_cell_kernels(self.xp, mode, dtype)
@@ -35,14 +41,31 @@ class GpuBackend:
         """cuBLAS runs on the device: nothing to cap on the host."""
         return contextlib.nullcontext()
 
-    @staticmethod
-    def pair_products(storage):
-        """Half-precision training GEMMs (cuBLAS in half with float32 compute) are not
-        built: every GEMM runs in the op's float32."""
-        return False
+    def pair_products(self, storage):
+        """Whether the op's large GEMMs (the input projection, the input and weight
+        gradients) of data stored as `storage` run in half (matmul's `pairs`: halfgemm.py,
+        cuBLAS with float32 sums): float16 or bfloat16 from compute capability 8.0 (the
+        rounding kernel's cvt.rn.bf16.f32; tensorcore.cuh's to_half traps before it),
+        where FUSEDRNN_GPU_HALF_GEMMS=1 asks for it (opt-in until measured on a GPU:
+        halfgemm.py). Else they run in the op's float32."""
+        if storage not in halfgemm.HALF_TYPES or not halfgemm.half_gemms_enabled():
+            return False
+        return int(self.xp.cuda.Device().compute_capability) >= 80
 
-    def matmul(self, a, b, out, transpose_a=False):
-        """out = a @ b, or a^T @ b, by cuBLAS."""
+    @staticmethod
+    def pair_scratch(M, K, C):
+        """4-byte elements matmul(..., pairs=) needs for an (M, K) @ (K, C) product."""
+        return halfgemm.scratch_size(M, K, C)
+
+    def matmul(self, a, b, out, transpose_a=False, pairs=None, a_paired=False, half=None):
+        """out = a @ b, or a^T @ b, by cuBLAS: in float32, or with `pairs` (a scratch of
+        pair_scratch(M, K, C); only where pair_products said so) from a and b rounded to
+        `half` ("float16" or "bfloat16"), float32 sums. a_paired: `pairs` still holds this
+        a's copy from the call before (halfgemm.HalfGemm.matmul)."""
+        if pairs is not None:
+            if self._half_gemm is None:
+                self._half_gemm = halfgemm.cupy_half_gemm(self.xp)
+            return self._half_gemm.matmul(a, b, out, transpose_a, pairs, half, a_paired)
         return self.xp.matmul(a.T if transpose_a else a, b, out=out)
 
     def astype(self, array, dtype, out=None):

@@ -8,13 +8,14 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from conftest import POISONED_NUMPY
 from fusedrnn.config import CELLS, CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
-from fusedrnn.gpu import GpuBackend, build, kernels, persistent
+from fusedrnn.gpu import GpuBackend, build, halfgemm, kernels, persistent
 from fusedrnn.recurrence import RecurrentOp
 
 
@@ -39,6 +40,31 @@ def _c_args(args):
     return [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
             else ctypes.c_double(a) if isinstance(a, np.floating)
             else ctypes.c_longlong(int(a)) for a in args]
+
+
+HALF_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def host_narrow(src, dst, storage):
+    """halfgemm.cuh's narrow_rows on the host: src (rows, cols) float32, unit column
+    stride, rounded to nearest even into the flat uint16 dst."""
+    assert src.dtype == np.float32 and src.strides[1] == 4 and dst.dtype == np.uint16
+    dst[:] = src.astype(HALF_DTYPES[storage]).view(np.uint16).ravel()
+
+
+def host_gemm_ex(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, storage):
+    """cublasGemmEx as cuBLAS defines it, on the host: C (m x n, column-major, leading
+    dimension ldc, float32) = op(A) op(B), A and B flat uint16 arrays of `storage` values
+    read column-major with their leading dimensions (sums in float64). C is the row-major
+    out array HalfGemm passes: out[j, i] is element (i, j)."""
+    def column_major(bits, rows, cols, ld):
+        assert ld >= rows and (cols - 1) * ld + rows <= bits.size, (rows, cols, ld, bits.size)
+        values = bits.view(HALF_DTYPES[storage]).astype(np.float64)
+        return np.lib.stride_tricks.as_strided(values, (rows, cols), (8, 8 * ld))
+    op_a = column_major(A, m, k, lda) if transa == halfgemm.OP_N else column_major(A, k, m, lda).T
+    op_b = column_major(B, k, n, ldb) if transb == halfgemm.OP_N else column_major(B, n, k, ldb).T
+    assert C.dtype == np.float32 and C.shape == (n, m) and C.strides == (4 * ldc, 4)
+    C[...] = (op_a @ op_b).T
 
 
 def _cell_launcher(function):
@@ -72,18 +98,29 @@ class HostCudaBackend:
     xp = POISONED_NUMPY
     random = staticmethod(CPU.random)
     blas_scope = staticmethod(CPU.blas_scope)
-    pair_products = staticmethod(GpuBackend.pair_products)
     astype = staticmethod(CPU.astype)
+    pair_scratch = staticmethod(GpuBackend.pair_scratch)
+    pair_projection = GpuBackend.pair_projection
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1,
-                 mma_slices=None):
+                 mma_slices=None, half_gemms=False):
         self.lib, self.limits, self.threads, self.chunk = lib, persistent, threads, chunk
         self.tile, self.slices, self.mma_slices = tile, slices, mma_slices
         self.plans = []   # every persistent layer's plan, in order
         self.launches = []
+        # half_gemms: the op's large GEMMs through halfgemm.HalfGemm on host_narrow and
+        # host_gemm_ex (GpuBackend.pair_products with FUSEDRNN_GPU_HALF_GEMMS=1)
+        self.half_gemm = halfgemm.HalfGemm(host_narrow, host_gemm_ex) if half_gemms else None
+        self.half_products = []   # (out's shape, transpose_a, half) of each
 
-    def matmul(self, a, b, out, transpose_a=False):
-        """As the GPU backend's (cuBLAS there, numpy here)."""
+    def pair_products(self, storage):
+        return self.half_gemm is not None and storage in halfgemm.HALF_TYPES
+
+    def matmul(self, a, b, out, transpose_a=False, pairs=None, a_paired=False, half=None):
+        """As the GPU backend's (cuBLAS there, numpy or host_gemm_ex here)."""
+        if pairs is not None:
+            self.half_products.append((out.shape, transpose_a, half))
+            return self.half_gemm.matmul(a, b, out, transpose_a, pairs, half, a_paired)
         return self.xp.matmul(a.T if transpose_a else a, b, out=out)
 
     def fused_layer(self, config, dtype, batch, storage=None):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fusedrnn.gpu import build
+from fusedrnn.gpu.halfgemm import NARROW_KERNELS
 from fusedrnn.gpu.kernels import STEP_KERNELS
 from fusedrnn.gpu.persistent import PERSISTENT_KERNELS
 
@@ -166,3 +167,28 @@ def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch, defines):
                     PERSISTENT_KERNELS.all_kernel_names(),
                     [*(o.encode() for o in build.OPTIONS), f"--gpu-architecture={arch}".encode(),
                      b"-ftz=true", *defines])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_half_gemms_rounding_kernel_compiles(arch, tmp_path):
+    """halfgemm.cuh's narrow_rows, both half types: with nvcc (from sm_80 it rounds with
+    cvt.rn.f16.f32 / cvt.rn.bf16.f32; sm_75 builds it trapping, and the backend never asks
+    for it there) and with NVRTC as CuPy builds it (halfgemm._module)."""
+    names = list(NARROW_KERNELS.values())
+    lines = ['#include "halfgemm.cuh"', "namespace fusedrnn {"]
+    lines += [f"template __global__ void narrow_rows<{p}>(const float*, long long, long long, "
+              f"long long, half_bits*);" for p in (1, 2)]
+    source = "\n".join(lines + ["}"]) + "\n"
+    entries, _ = _nvcc_entries(source, arch, tmp_path)
+    assert len(entries) == 2
+    if arch in TENSOR_CORE_ARCHS:
+        (tmp_path / "h.cu").write_text(source)
+        result = subprocess.run([shutil.which("nvcc"), "-std=c++14", f"-arch={arch}", "-ptx",
+                                 "-I", str(build.SOURCE_DIR), str(tmp_path / "h.cu"), "-o",
+                                 str(tmp_path / "h.ptx")], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        ptx = (tmp_path / "h.ptx").read_text()
+        assert "cvt.rn.f16.f32" in ptx and "cvt.rn.bf16.f32" in ptx
+    _nvrtc_compiles(build.source_text("halfgemm.cuh").encode(), b"halfgemm.cuh", names,
+                    [*(o.encode() for o in build.OPTIONS), f"--gpu-architecture={arch}".encode(),
+                     b"-ftz=true"])

@@ -40,16 +40,19 @@ def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
                                atol=1e-12)
 
 
-@pytest.mark.parametrize("tensor_cores", ["0", "1"])
+@pytest.mark.parametrize("tensor_cores, half_gemms", [("0", "0"), ("1", "0"), ("1", "1")],
+                         ids=["float32-products", "tensor-cores", "tensor-cores+half-gemms"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, monkeypatch):
+def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, half_gemms,
+                                                   monkeypatch):
     """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts, the op told
     the data was bfloat16: CuPy has none) on CUDA, the persistent kernels' products on
-    tensor cores or not (FUSEDRNN_GPU_TENSOR_CORES): outputs and gradients as the same
-    module on the CPU within test_precision's bound, twice (each side is within it of
-    the float64 result)."""
+    tensor cores or not (FUSEDRNN_GPU_TENSOR_CORES), the large GEMMs in half or not
+    (FUSEDRNN_GPU_HALF_GEMMS): outputs and gradients as the same module on the CPU within
+    test_precision's bound, twice (each side is within it of the float64 result)."""
     monkeypatch.setenv("FUSEDRNN_GPU_TENSOR_CORES", tensor_cores)
+    monkeypatch.setenv("FUSEDRNN_GPU_HALF_GEMMS", half_gemms)
     fusedrnn.clear_cache()   # the setting is read as an op is built
     torch.manual_seed(0)
     name = CELLS[mode].torch_class

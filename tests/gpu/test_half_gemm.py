@@ -1,0 +1,216 @@
+"""The GPU's half-precision GEMMs (fusedrnn/gpu/halfgemm.py) without a GPU: HalfGemm's
+row-major to column-major mapping against cuBLAS's own definition (host_gemm_ex), the
+rule that turns them on, and the op on the host harness with them: the input projection
+and every backward GEMM in half, within test_precision's bound against the float64
+reference on the same rounded inputs. What this cannot cover: the rounding kernel and
+cuBLAS themselves on a device (tests/gpu/test_compile.py builds the kernel;
+bench/gpu_session.sh half runs and times it all on a GPU)."""
+import types
+
+import numpy as np
+import pytest
+
+from conftest import MODES, make_case
+from fusedrnn.config import CELLS, CallOptions
+from fusedrnn.cpu import BACKEND as CPU
+from fusedrnn.gpu import GpuBackend, halfgemm
+from fusedrnn.gpu.persistent import DeviceLimits
+from host_backend import (HALF_DTYPES, HostCudaBackend, build_harness, host_gemm_ex,
+                          host_narrow, run_training)
+from test_host_emulation import _projected_case
+from test_precision import HALF, assert_within, longest_product, rounded
+
+TWO_SMS = DeviceLimits(2, 1 << 20, 90)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return build_harness(tmp_path_factory.mktemp("harness"))
+
+
+def _exact(shape, rng, scale=1 / 16):
+    """float32 values exact in both half types, whose products and sums are exact in
+    float32 (small integers over 16): the mapping is checked bit for bit."""
+    return (rng.integers(-8, 9, shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("storage", list(halfgemm.HALF_TYPES))
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_half_gemm_is_the_row_major_product(storage, transpose_a, b_transposed):
+    """a as a column slice of a wider array, b as given or as w.T (the projection's W_x^T),
+    out a column slice of a wider array (ldc > C): out = op(a) @ b exactly, nothing
+    around out written."""
+    rng = np.random.default_rng(3)
+    M, K, C = 13, 21, 10
+    wide_a = _exact((K, M + 5) if transpose_a else (M, K + 5), rng)
+    a = wide_a[:, 2:2 + M] if transpose_a else wide_a[:, 2:2 + K]
+    b = _exact((C, K), rng).T if b_transposed else _exact((K, C), rng)
+    wide_out = np.full((M, C + 3), 777.0, np.float32)
+    out = wide_out[:, 1:1 + C]
+    scratch = np.full(halfgemm.scratch_size(M, K, C), 0xDEADBEEF, np.uint32)
+    gemm = halfgemm.HalfGemm(host_narrow, host_gemm_ex)
+    gemm.matmul(a, b, out, transpose_a, scratch, storage)
+    want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.array_equal(out, want)
+    assert (wide_out[:, 0] == 777).all() and (wide_out[:, 1 + C:] == 777).all()
+
+
+@pytest.mark.parametrize("storage", list(halfgemm.HALF_TYPES))
+def test_half_gemm_rounds_its_operands_to_the_half_type(storage):
+    """Operands that are not half values are rounded (to nearest even) before the product:
+    the result is the product of the rounded operands, not of the float32 ones."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((7, 9)).astype(np.float32)
+    b = rng.standard_normal((9, 5)).astype(np.float32)
+    out = np.empty((7, 5), np.float32)
+    halfgemm.HalfGemm(host_narrow, host_gemm_ex).matmul(
+        a, b, out, False, np.empty(halfgemm.scratch_size(7, 9, 5), np.uint32), storage)
+    t = HALF_DTYPES[storage]
+    want = a.astype(t).astype(np.float64) @ b.astype(t).astype(np.float64)
+    assert np.allclose(out, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_paired_reuses_a_only_where_the_last_call_took_the_same_a():
+    rng = np.random.default_rng(5)
+    a, a2 = _exact((12, 6), rng), _exact((12, 6), rng)
+    b = _exact((12, 4), rng)
+    out = np.empty((6, 4), np.float32)
+    scratch = np.empty(halfgemm.scratch_size(6, 12, 4), np.uint32)
+    narrowed = []
+
+    def narrow(src, dst, storage):
+        narrowed.append(src.shape)
+        host_narrow(src, dst, storage)
+    gemm = halfgemm.HalfGemm(narrow, host_gemm_ex)
+    gemm.matmul(a, b, out, True, scratch, "bfloat16")
+    gemm.matmul(a, b, out, True, scratch, "bfloat16", a_paired=True)
+    assert narrowed == [(12, 6), (12, 4), (12, 4)]   # a's copy made once
+    gemm.matmul(a2, b, out, True, scratch, "bfloat16", a_paired=True)   # another a
+    assert np.array_equal(out, a2.T.astype(np.float64) @ b)
+    gemm.matmul(a2, b, out, True, scratch, "float16", a_paired=True)   # another half type
+    assert narrowed[-2:] == [(12, 6), (12, 4)]
+
+
+def test_half_gemm_refuses_what_does_not_fit():
+    gemm = halfgemm.HalfGemm(host_narrow, host_gemm_ex)
+    a, b = np.zeros((4, 3), np.float32), np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match="scratch"):
+        gemm.matmul(a, b, np.empty((4, 2), np.float32), False, np.empty(3, np.uint32), "float16")
+    with pytest.raises(ValueError, match="storage"):
+        gemm.matmul(a, b, np.empty((4, 2), np.float32), False, np.empty(99, np.uint32),
+                    "float32")
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm.matmul(a, b, np.empty((2, 4), np.float32), False, np.empty(99, np.uint32),
+                    "float16")
+
+
+def test_pair_products_rule(monkeypatch):
+    """Opt-in (FUSEDRNN_GPU_HALF_GEMMS=1) until measured on a GPU; from compute capability
+    8.0 (the rounding kernel traps before it); never for float32 or float64 data."""
+    def backend(capability):
+        device = types.SimpleNamespace(compute_capability=capability)
+        return GpuBackend(types.SimpleNamespace(cuda=types.SimpleNamespace(
+            Device=lambda: device)))
+    monkeypatch.delenv(halfgemm.HALF_GEMMS_ENV, raising=False)
+    assert not backend("90").pair_products("bfloat16")
+    monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "1")
+    assert backend("90").pair_products("bfloat16") and backend("90").pair_products("float16")
+    assert not backend("75").pair_products("float16")
+    assert not backend("75").pair_products("bfloat16")
+    assert not backend("90").pair_products("float32") and not backend("90").pair_products(None)
+    assert GpuBackend.pair_scratch(6, 5, 4) == halfgemm.scratch_size(6, 5, 4) == (32 + 20) // 2
+
+
+NAMES = ("out", "hy", "cy", "ddata", "dparameters", "dstate", "dstate_cell", "out (inference)",
+         "hy (inference)", "cy (inference)")
+
+
+def _check(harness, mode, dtype, persistent=None, opts=CallOptions(), L=1, D=1, seed=0,
+           projection_size=None, T=6, N=5, I=4, H=9):
+    dtype = HALF[dtype]
+    if projection_size:
+        case, kw, heads = _projected_case(L, D, np.float64, seed, projection_size)
+        I = case["data"].shape[2]
+    else:
+        case, kw, heads = make_case(mode, T=T, N=N, I=I, H=H, L=L, D=D, seed=seed)
+    half, exact = rounded(case, dtype)
+    half_heads, exact_heads = rounded(heads, dtype)
+    backend = HostCudaBackend(harness, persistent=persistent, half_gemms=True)
+    got = run_training(backend, half, kw, half_heads, dtype, opts, projection_size)
+    want = run_training(CPU, exact, kw, exact_heads, np.float64, opts, projection_size)
+    cell_state = CELLS[mode].has_cell_state
+    names = [n for n in NAMES if cell_state or not n.startswith(("cy", "dstate_cell"))]
+    if projection_size:
+        kw = dict(kw, projection_size=projection_size)
+    assert len(got) == len(want) == len(names)
+    for name, a, b in zip(names, got, want):
+        assert_within(a, b, dtype, longest_product(kw, I), name)
+    return backend.half_products
+
+
+def _expected_products(L, D, projection=False):
+    """Per layer: two projections (training and inference forwards), one input gradient,
+    and per direction the W_x and W_h gradients (and W_r's)."""
+    return L * (2 + 1 + D * (3 if projection else 2))
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("L,D", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_op_within_the_half_bound_with_half_gemms(harness, mode, L, D, dtype):
+    """Per-step path: every large GEMM in half (counted), the results within the bound."""
+    products = _check(harness, mode, dtype, L=L, D=D, seed=L + D)
+    assert len(products) == _expected_products(L, D)
+    assert {half for _, _, half in products} == {dtype}
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_persistent_layers_with_half_gemms(harness, monkeypatch, mode, dtype):
+    """With the persistent kernels and their tensor-core products: the whole half path."""
+    from fusedrnn.gpu import persistent
+    monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
+    products = _check(harness, mode, dtype, persistent=TWO_SMS, L=2, D=2, seed=9)
+    assert len(products) == _expected_products(2, 2)
+
+
+def test_lengths_clipping_and_projection_with_half_gemms(harness):
+    opts = CallOptions(lengths=np.array([5, 1, 3], np.int64), clip_lo=-0.3,
+                       clip_hi=0.25, clip_flags=3)
+    products = _check(harness, "lstm", "bfloat16", opts=opts, L=2, D=2, seed=6,
+                      projection_size=2)
+    assert len(products) == _expected_products(2, 2, projection=True)
+
+
+def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness):
+    """op.RNN's _stored_as (torch's CUDA bfloat16 arrives as float32): bfloat16 GEMMs."""
+    dtype = HALF["bfloat16"]
+    case, kw, heads = make_case("gru", T=6, N=5, I=4, H=9, L=2, D=1, seed=2)
+    values = {k: None if v is None else v.astype(dtype).astype(np.float32)
+              for k, v in case.items()}
+    head_values = {k: None if v is None else v.astype(dtype).astype(np.float32)
+                   for k, v in heads.items()}
+    backend = HostCudaBackend(harness, half_gemms=True)
+    got = run_training(backend, values, kw, head_values, np.float32, stored_as="bfloat16")
+    want = run_training(CPU, {k: None if v is None else v.astype(np.float64)
+                              for k, v in values.items()}, kw,
+                        {k: None if v is None else v.astype(np.float64)
+                         for k, v in head_values.items()}, np.float64)
+    assert {half for _, _, half in backend.half_products} == {"bfloat16"}
+    assert len(backend.half_products) == _expected_products(2, 1)
+    for a, b in zip(got, want):
+        assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
+
+
+def test_the_bound_catches_a_gemm_that_drops_a_term(harness, monkeypatch):
+    """A planted bug: the gemm that leaves out the last k (a missing accumulation) fails
+    the bound, so the tests above can fail."""
+    def short_gemm_ex(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, storage):
+        host_gemm_ex(transa, transb, m, n, k - 1, A, lda, B, ldb, C, ldc, storage)
+    original = halfgemm.HalfGemm.__init__
+    monkeypatch.setattr(halfgemm.HalfGemm, "__init__",
+                        lambda self, narrow, gemm_ex: original(self, narrow, short_gemm_ex))
+    with pytest.raises(AssertionError, match="bound"):
+        _check(harness, "lstm", "bfloat16", seed=1)
