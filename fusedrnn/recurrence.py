@@ -141,7 +141,7 @@ class RecurrentOp:
         # A training forward too reads the data in place where the backward's GEMMs run
         # on pairs (the weight gradient packs the data's bits as they are): no x32.
         self._trains_in_place = self._data_in_place and self._pairs
-        self._projects_in_half = self._pairs and backend.pair_projection
+        self._projects_in_half = self._pairs and backend.pair_projection(seq_len * batch)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))

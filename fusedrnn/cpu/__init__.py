@@ -96,9 +96,12 @@ class CpuBackend:
         return fused_layer(config.mode, dtype, bf16=bf16,
                            widens=storage in ("float16", "bfloat16") and not bf16)
 
-    # Its fused layers project their own input (on bfloat16 pairs where the products run
-    # in bfloat16); the step path's projection (op.project_input) stays float32.
-    pair_projection = False
+    @staticmethod
+    def pair_projection(rows):
+        """Never: the fused layers project their own input (on bfloat16 pairs where the
+        products run in bfloat16); the step path's projection (op.project_input) stays
+        float32."""
+        return False
 
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):

@@ -19,10 +19,6 @@ class GpuBackend:
     name = "cuda"
     array_name = "cupy.ndarray"
 
-    # The op's input projection runs through matmul(..., pairs=) too where pair_products
-    # holds (the CPU's fused layers project their own input instead).
-    pair_projection = True
-
     def __init__(self, cupy):
         self.xp = cupy
         self._half_gemm = None
@@ -51,6 +47,13 @@ class GpuBackend:
         if storage not in halfgemm.HALF_TYPES or not halfgemm.half_gemms_enabled():
             return False
         return int(self.xp.cuda.Device().compute_capability) >= 80
+
+    @staticmethod
+    def pair_projection(rows):
+        """Whether the op's input projection of `rows` (T*N) rows runs through matmul's
+        `pairs` too, where pair_products holds: from halfgemm.MIN_PROJECTION_ROWS (the
+        rule and why there)."""
+        return rows >= halfgemm.MIN_PROJECTION_ROWS
 
     @staticmethod
     def pair_scratch(M, K, C):

@@ -10,6 +10,10 @@ Like persistent.py this needs no CuPy: HalfGemm takes a `narrow` and a `gemm_ex`
 callable, CuPy's (cupy_half_gemm) on a GPU and numpy stand-ins in tests/gpu, so the
 row-major to column-major mapping (gemm_ex_operands) is tested without a device.
 
+float16's range ends at 65504: a gate gradient above it (a loss scaled by 2^16, say)
+rounds to inf here where the float32 GEMM kept it; the output then overflows too, and
+torch's GradScaler skips the step as for cuDNN's float16.
+
 Built and checked on the host (tests/gpu/test_half_gemm.py), not yet run on a GPU: opt-in
 (FUSEDRNN_GPU_HALF_GEMMS=1) until bench/gpu_session.sh half has checked and timed it.
 """
@@ -22,7 +26,8 @@ import numpy as np
 
 from .build import OPTIONS, source_text
 
-__all__ = ["HALF_GEMMS_ENV", "HALF_TYPES", "NARROW_KERNELS", "half_gemms_enabled",
+__all__ = ["HALF_GEMMS_ENV", "HALF_TYPES", "NARROW_KERNELS", "MIN_PROJECTION_ROWS",
+           "half_gemms_enabled",
            "scratch_size", "gemm_ex_operands", "HalfGemm", "cupy_half_gemm"]
 
 HALF_GEMMS_ENV = "FUSEDRNN_GPU_HALF_GEMMS"
@@ -36,6 +41,11 @@ CUBLAS_GEMM_DEFAULT = -1
 OP_N, OP_T = 0, 1
 NARROW_KERNELS = {name: f"fusedrnn::narrow_rows<{p}>" for name, p in _PRECISION.items()}
 ALIGN = 8   # halves: each copy starts 16-byte aligned (cuBLAS's tensor-op alignment)
+# The input projection goes through the half GEMM from this many rows (T*N) on: below
+# it the product is bound by reading W_x, which the rounding copy reads and writes once
+# more (twice the float32 GEMM's traffic) - a decoder's T=1 step stays float32. Not yet
+# measured on a GPU (bench/gpu_session.sh half times the design size only).
+MIN_PROJECTION_ROWS = 128
 
 
 def half_gemms_enabled(environ=os.environ):
@@ -50,8 +60,8 @@ def _round_up(n, to=ALIGN):
 
 def scratch_size(M, K, C):
     """4-byte elements HalfGemm.matmul needs for an (M, K) @ (K, C) product: the half
-    copies of a (first) and b."""
-    return -(-(_round_up(M * K) + K * C) // 2)
+    copies of a (first) and b, and the slack to start them 16-byte aligned."""
+    return -(-(ALIGN + _round_up(M * K) + K * C) // 2)
 
 
 def gemm_ex_operands(M, K, C, transpose_a, b_transposed, ldc):
@@ -94,16 +104,20 @@ class HalfGemm:
         M, K = a.shape[::-1] if transpose_a else a.shape
         C = b.shape[1]
         item = out.itemsize
-        if out.shape != (M, C) or out.strides[1] != item or b.shape[0] != K:
-            raise ValueError(f"HalfGemm: out {out.shape} (strides {out.strides}) does not fit "
-                             f"a {a.shape} and b {b.shape}")
+        if out.dtype != np.float32 or out.shape != (M, C) or out.strides[1] != item or \
+                b.shape[0] != K:
+            raise ValueError(f"HalfGemm: out {out.dtype} {out.shape} (strides {out.strides}) "
+                             f"does not fit a {a.shape} and b {b.shape} (float32 out wanted)")
         # b = w.T (the projection's W_x^T): w is copied as it lies, cuBLAS transposes it
         b_transposed = b.strides[0] == b.itemsize and b.strides[1] != b.itemsize
         halves = scratch.view(np.uint16)
         if halves.size < 2 * scratch_size(M, K, C):
             raise ValueError(f"HalfGemm: scratch of {scratch.size} 4-byte elements, "
                              f"{scratch_size(M, K, C)} needed")
-        a_half, b_half = halves[:M * K], halves[_round_up(M * K):_round_up(M * K) + K * C]
+        # the scratch's own start is 4-byte aligned (the op carves it among other buffers)
+        first = (-_address(halves) // 2) % ALIGN
+        at_b = first + _round_up(M * K)
+        a_half, b_half = halves[first:first + M * K], halves[at_b:at_b + K * C]
         mine = (_address(a), a.shape, a.strides, transpose_a, storage, _address(halves))
         if not (a_paired and getattr(self._last, "a", None) == mine):
             self.narrow(a, a_half, storage)
@@ -117,18 +131,18 @@ class HalfGemm:
 
 
 def _address(array):
-    interface = getattr(array, "__array_interface__", None) or \
-        getattr(array, "__cuda_array_interface__")
-    return interface["data"][0]
+    """The first element's address: a CuPy array's data.ptr, a numpy array's (the host
+    tests') from its array interface."""
+    pointer = getattr(getattr(array, "data", None), "ptr", None)
+    return pointer if pointer is not None else array.__array_interface__["data"][0]
 
 
-def cupy_half_gemm(cupy):
+def cupy_half_gemm(cupy, cublas=None):
     """HalfGemm on CuPy: narrow_rows compiled by NVRTC once per process, the product by
-    the current device's cuBLAS handle on the current stream."""
-    try:
+    the current device's cuBLAS handle on the current stream (cublas: CuPy's binding,
+    cupy_backends.cuda.libs.cublas; a stand-in in the host tests)."""
+    if cublas is None:
         from cupy_backends.cuda.libs import cublas
-    except ImportError:   # older CuPy
-        from cupy.cuda import cublas
     module = _module(cupy)
     kernels = {s: module.get_function(name) for s, name in NARROW_KERNELS.items()}
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -150,8 +164,8 @@ def cupy_half_gemm(cupy):
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         try:
             half = HALF_TYPES[storage]
-            cublas.gemmEx(handle, transa, transb, m, n, k, one.ctypes.data, A.data.ptr, half,
-                          lda, B.data.ptr, half, ldb, zero.ctypes.data, C.data.ptr,
+            cublas.gemmEx(handle, transa, transb, m, n, k, one.ctypes.data, _address(A), half,
+                          lda, _address(B), half, ldb, zero.ctypes.data, _address(C),
                           CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         finally:
             cublas.setPointerMode(handle, mode)

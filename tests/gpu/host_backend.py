@@ -100,7 +100,7 @@ class HostCudaBackend:
     blas_scope = staticmethod(CPU.blas_scope)
     astype = staticmethod(CPU.astype)
     pair_scratch = staticmethod(GpuBackend.pair_scratch)
-    pair_projection = GpuBackend.pair_projection
+    pair_projection = staticmethod(GpuBackend.pair_projection)
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1,
                  mma_slices=None, half_gemms=False):

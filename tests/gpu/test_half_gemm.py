@@ -5,6 +5,7 @@ and every backward GEMM in half, within test_precision's bound against the float
 reference on the same rounded inputs. What this cannot cover: the rounding kernel and
 cuBLAS themselves on a device (tests/gpu/test_compile.py builds the kernel;
 bench/gpu_session.sh half runs and times it all on a GPU)."""
+import ctypes
 import types
 
 import numpy as np
@@ -26,6 +27,12 @@ TWO_SMS = DeviceLimits(2, 1 << 20, 90)
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     return build_harness(tmp_path_factory.mktemp("harness"))
+
+
+@pytest.fixture
+def every_projection_in_half(monkeypatch):
+    """The small cases here have fewer rows than the projection's rule asks for."""
+    monkeypatch.setattr(halfgemm, "MIN_PROJECTION_ROWS", 1)
 
 
 def _exact(shape, rng, scale=1 / 16):
@@ -104,6 +111,29 @@ def test_half_gemm_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         gemm.matmul(a, b, np.empty((2, 4), np.float32), False, np.empty(99, np.uint32),
                     "float16")
+    with pytest.raises(ValueError, match="float32 out"):
+        gemm.matmul(a, b, np.empty((4, 2), np.float64), False, np.empty(99, np.uint32),
+                    "float16")
+
+
+@pytest.mark.parametrize("offset", range(8))
+def test_the_copies_start_16_byte_aligned_wherever_the_scratch_starts(offset):
+    """The op carves its scratch among other buffers (4-byte aligned): the copies still
+    start on 16 bytes, within scratch_size, and the product is right."""
+    rng = np.random.default_rng(offset)
+    M, K, C = 5, 7, 3
+    a, b = _exact((M, K), rng), _exact((K, C), rng)
+    starts = []
+
+    def narrow(src, dst, storage):
+        starts.append(dst.__array_interface__["data"][0] % 16)
+        host_narrow(src, dst, storage)
+    size = halfgemm.scratch_size(M, K, C)
+    scratch = np.zeros(size + 8, np.uint32)[offset:offset + size]
+    out = np.empty((M, C), np.float32)
+    halfgemm.HalfGemm(narrow, host_gemm_ex).matmul(a, b, out, False, scratch, "float16")
+    assert starts == [0, 0]
+    assert np.array_equal(out, a.astype(np.float64) @ b)
 
 
 def test_pair_products_rule(monkeypatch):
@@ -120,7 +150,88 @@ def test_pair_products_rule(monkeypatch):
     assert not backend("75").pair_products("float16")
     assert not backend("75").pair_products("bfloat16")
     assert not backend("90").pair_products("float32") and not backend("90").pair_products(None)
-    assert GpuBackend.pair_scratch(6, 5, 4) == halfgemm.scratch_size(6, 5, 4) == (32 + 20) // 2
+    assert GpuBackend.pair_scratch(6, 5, 4) == halfgemm.scratch_size(6, 5, 4) == \
+        (8 + 32 + 20) // 2
+    assert not GpuBackend.pair_projection(halfgemm.MIN_PROJECTION_ROWS - 1)
+    assert GpuBackend.pair_projection(halfgemm.MIN_PROJECTION_ROWS)
+
+
+def test_cupy_half_gemm_launches_and_calls_cublas_as_documented(monkeypatch):
+    """cupy_half_gemm's own calls, on stand-ins for CuPy and its cuBLAS binding that read
+    the memory behind the pointers they are given: the rounding kernel gets int64 sizes
+    and a's row stride (a column slice), gemmEx cuBLAS's argument order, enums, host
+    alpha = 1 and beta = 0; the pointer mode is restored; the product is exact."""
+    monkeypatch.setattr(halfgemm, "_modules", {})
+    storage_of = {name: s for s, name in halfgemm.NARROW_KERNELS.items()}
+    launches, modes = [], []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args):
+            src, rows, cols, ld, dst = args
+            assert all(type(v) is np.int64 for v in (rows, cols, ld))
+            launches.append((int(rows), int(cols), int(ld)))
+            rows_view = np.lib.stride_tricks.as_strided(src, (int(rows), int(cols)),
+                                                        (4 * int(ld), 4))
+            host_narrow(rows_view, dst, storage_of[self.name])
+
+    class Module:
+        def __init__(self, code, options, name_expressions):
+            assert "narrow_rows" in code
+            assert sorted(name_expressions) == sorted(halfgemm.NARROW_KERNELS.values())
+
+        def get_function(self, name):
+            return Kernel(name)
+
+    def memory(ctype, address, count):
+        return np.ctypeslib.as_array((ctype * count).from_address(address))
+
+    class Cublas:
+        CUBLAS_POINTER_MODE_HOST = 0
+        mode = [1]
+
+        @staticmethod
+        def getPointerMode(handle):
+            return Cublas.mode[0]
+
+        @staticmethod
+        def setPointerMode(handle, mode):
+            modes.append(mode)
+            Cublas.mode[0] = mode
+
+        @staticmethod
+        def gemmEx(handle, transa, transb, m, n, k, alpha, A, a_type, lda, B, b_type, ldb,
+                   beta, C, c_type, ldc, compute, algo):
+            assert handle == 42 and Cublas.mode[0] == 0
+            assert memory(ctypes.c_float, alpha, 1)[0] == 1
+            assert memory(ctypes.c_float, beta, 1)[0] == 0
+            assert a_type == b_type == halfgemm.HALF_TYPES["bfloat16"] and c_type == 0
+            assert (compute, algo) == (68, -1)
+            a_cols = k if transa == halfgemm.OP_N else m
+            b_cols = n if transb == halfgemm.OP_N else k
+            a_rows = m if transa == halfgemm.OP_N else k
+            b_rows = k if transb == halfgemm.OP_N else n
+            host_gemm_ex(transa, transb, m, n, k,
+                         memory(ctypes.c_uint16, A, lda * (a_cols - 1) + a_rows), lda,
+                         memory(ctypes.c_uint16, B, ldb * (b_cols - 1) + b_rows), ldb,
+                         np.lib.stride_tricks.as_strided(
+                             memory(ctypes.c_float, C, ldc * (n - 1) + m), (n, m), (4 * ldc, 4)),
+                         ldc, "bfloat16")
+
+    cupy = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
+        device=types.SimpleNamespace(get_cublas_handle=lambda: 42)))
+    gemm = halfgemm.cupy_half_gemm(cupy, Cublas)
+    rng = np.random.default_rng(8)
+    dgx = _exact((30, 24), rng)        # dG of two directions; this one's columns 12..23
+    x = _exact((30, 7), rng)
+    out = np.full((12, 7), np.nan, np.float32)
+    scratch = np.empty(halfgemm.scratch_size(12, 30, 7), np.uint32)
+    gemm.matmul(dgx[:, 12:], x, out, True, scratch, "bfloat16")
+    assert np.array_equal(out, dgx[:, 12:].T.astype(np.float64) @ x)
+    assert launches == [(30, 12, 24), (30, 7, 7)]
+    assert modes == [0, 1]   # host mode for the call, the handle's own mode after
 
 
 NAMES = ("out", "hy", "cy", "ddata", "dparameters", "dstate", "dstate_cell", "out (inference)",
@@ -159,7 +270,8 @@ def _expected_products(L, D, projection=False):
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("L,D", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("mode", MODES)
-def test_the_op_within_the_half_bound_with_half_gemms(harness, mode, L, D, dtype):
+def test_the_op_within_the_half_bound_with_half_gemms(harness, every_projection_in_half, mode,
+                                                      L, D, dtype):
     """Per-step path: every large GEMM in half (counted), the results within the bound."""
     products = _check(harness, mode, dtype, L=L, D=D, seed=L + D)
     assert len(products) == _expected_products(L, D)
@@ -168,7 +280,8 @@ def test_the_op_within_the_half_bound_with_half_gemms(harness, mode, L, D, dtype
 
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_persistent_layers_with_half_gemms(harness, monkeypatch, mode, dtype):
+def test_persistent_layers_with_half_gemms(harness, every_projection_in_half, monkeypatch,
+                                          mode, dtype):
     """With the persistent kernels and their tensor-core products: the whole half path."""
     from fusedrnn.gpu import persistent
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
@@ -176,7 +289,7 @@ def test_persistent_layers_with_half_gemms(harness, monkeypatch, mode, dtype):
     assert len(products) == _expected_products(2, 2)
 
 
-def test_lengths_clipping_and_projection_with_half_gemms(harness):
+def test_lengths_clipping_and_projection_with_half_gemms(harness, every_projection_in_half):
     opts = CallOptions(lengths=np.array([5, 1, 3], np.int64), clip_lo=-0.3,
                        clip_hi=0.25, clip_flags=3)
     products = _check(harness, "lstm", "bfloat16", opts=opts, L=2, D=2, seed=6,
@@ -184,7 +297,7 @@ def test_lengths_clipping_and_projection_with_half_gemms(harness):
     assert len(products) == _expected_products(2, 2, projection=True)
 
 
-def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness):
+def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness, every_projection_in_half):
     """op.RNN's _stored_as (torch's CUDA bfloat16 arrives as float32): bfloat16 GEMMs."""
     dtype = HALF["bfloat16"]
     case, kw, heads = make_case("gru", T=6, N=5, I=4, H=9, L=2, D=1, seed=2)
@@ -204,7 +317,15 @@ def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
 
 
-def test_the_bound_catches_a_gemm_that_drops_a_term(harness, monkeypatch):
+def test_few_rows_project_in_float32(harness):
+    """Below MIN_PROJECTION_ROWS rows (T*N = 30 here) the projections stay float32; the
+    backward's GEMMs still run in half."""
+    products = _check(harness, "gru", "float16", L=2, D=1, seed=3)
+    assert len(products) == _expected_products(2, 1) - 2 * 2
+
+
+def test_the_bound_catches_a_gemm_that_drops_a_term(harness, every_projection_in_half,
+                                                    monkeypatch):
     """A planted bug: the gemm that leaves out the last k (a missing accumulation) fails
     the bound, so the tests above can fail."""
     def short_gemm_ex(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, storage):

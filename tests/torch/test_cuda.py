@@ -54,6 +54,10 @@ def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, ha
     monkeypatch.setenv("FUSEDRNN_GPU_TENSOR_CORES", tensor_cores)
     monkeypatch.setenv("FUSEDRNN_GPU_HALF_GEMMS", half_gemms)
     fusedrnn.clear_cache()   # the setting is read as an op is built
+    from fusedrnn.gpu import halfgemm
+    calls, real = [], halfgemm.HalfGemm.matmul
+    monkeypatch.setattr(halfgemm.HalfGemm, "matmul",
+                        lambda self, *args, **kw: calls.append(args[5]) or real(self, *args, **kw))
     torch.manual_seed(0)
     name = CELLS[mode].torch_class
     cpu = getattr(ft, name)(5, 16, num_layers=2, bidirectional=True).to(dtype)
@@ -65,6 +69,9 @@ def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, ha
         out = module(inp)[0]
         out.float().square().sum().backward()
         outs.append((out.cpu(), module.weight_hh_l0.grad.cpu()))
+    # the backward's GEMMs in the module's dtype (T*N = 18 rows: the projections float32)
+    want = {str(dtype).split(".")[1]} if half_gemms == "1" else set()
+    assert set(calls) == want and len(calls) == (2 * (1 + 2 * 2) if want else 0)
     u = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
     for a, b in zip(outs[1], outs[0]):
         assert a.dtype == dtype
