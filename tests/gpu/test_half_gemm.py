@@ -63,6 +63,20 @@ def test_half_gemm_is_the_row_major_product(storage, transpose_a, b_transposed):
     assert (wide_out[:, 0] == 777).all() and (wide_out[:, 1 + C:] == 777).all()
 
 
+@pytest.mark.parametrize("M,K,C", [(1, 1, 1), (1, 3, 4), (5, 1, 4), (5, 3, 1), (2, 1, 1)])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_half_gemm_edge_shapes(M, K, C, transpose_a, b_transposed):
+    """One row, one column, one k (input_size 1: W_x.T has equal strides): still exact."""
+    rng = np.random.default_rng(M * 100 + K * 10 + C)
+    a = _exact((K, M) if transpose_a else (M, K), rng)
+    b = _exact((C, K), rng).T if b_transposed else _exact((K, C), rng)
+    out = np.full((M, C), np.nan, np.float32)
+    halfgemm.HalfGemm(host_narrow, host_gemm_ex).matmul(
+        a, b, out, transpose_a, np.zeros(halfgemm.scratch_size(M, K, C), np.uint32), "bfloat16")
+    assert np.array_equal(out, (a.T if transpose_a else a).astype(np.float64) @ b)
+
+
 @pytest.mark.parametrize("storage", list(halfgemm.HALF_TYPES))
 def test_half_gemm_rounds_its_operands_to_the_half_type(storage):
     """Operands that are not half values are rounded (to nearest even) before the product:
