@@ -355,6 +355,21 @@ def test_small_single_steps_take_the_serial_builds(monkeypatch, T, N, H, serial)
 
 # ---- (d) bfloat16 data ---------------------------------------------------------------------
 
+def _record_conversions(monkeypatch, record):
+    """Spies on the CPU backend's astype: appends record(array, to) to the returned list
+    where it is not None."""
+    from fusedrnn import cpu
+    seen, real = [], cpu.CpuBackend.astype
+
+    def astype(array, to, out=None):
+        value = record(array, to)
+        if value is not None:
+            seen.append(value)
+        return real(array, to, out)
+    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    return seen
+
+
 def _bf16_op(mode, T, N=3, I=6, H=20):
     import ml_dtypes
     from fusedrnn.recurrence import RecurrentOp
@@ -391,12 +406,7 @@ def test_half_data_is_widened_in_the_projection_not_copied(monkeypatch, half, mo
     thread_cache().clear()
     case, kw, _ = make_case(mode, T=7, N=N, I=9, H=20, L=L, D=D, seed=N)
     args = {k: v.astype(dtype) for k, v in case.items() if v is not None}
-    converted = []
-    real = cpu.CpuBackend.astype
-    def astype(array, to, out=None):
-        converted.append(array.shape)
-        return real(array, to, out)
-    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    converted = _record_conversions(monkeypatch, lambda array, to: array.shape)
     out = fusedrnn.RNN(**args, **kw)
     monkeypatch.undo()
     thread_cache().clear()
@@ -420,11 +430,7 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
     thread_cache().clear()
     case, kw, _ = make_case(mode, T=6, N=5, I=8, H=24, L=L, D=D, seed=3)
     half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
-    converted, real = [], cpu.CpuBackend.astype
-    def astype(array, to, out=None):
-        converted.append(array.size)
-        return real(array, to, out)
-    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    converted = _record_conversions(monkeypatch, lambda array, to: array.size)
     out = fusedrnn.RNN(**half, **kw)
     monkeypatch.undo()
     from fusedrnn.recurrence import RecurrentOp
@@ -452,12 +458,9 @@ def test_a_bf16_training_step_reads_the_data_in_place(monkeypatch):
     thread_cache().clear()
     case, kw, heads = make_case("lstm", T=6, N=5, I=8, H=24, L=2, D=2, seed=8)
     half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
-    converted, real = [], cpu.CpuBackend.astype
-    def astype(array, to, out=None):
-        if np.dtype(to) == np.float32:   # (the gradients leave the other way)
-            converted.append(array.shape)
-        return real(array, to, out)
-    monkeypatch.setattr(cpu.BACKEND, "astype", astype)
+    # (into float32 only: the gradients leave the other way)
+    converted = _record_conversions(
+        monkeypatch, lambda array, to: array.shape if np.dtype(to) == np.float32 else None)
     out, handle = fusedrnn.RNN(**half, **kw, train=True)
     grads = fusedrnn.rnn_backward(handle, heads["dout"].astype(ml_dtypes.bfloat16))
     assert grads.data.dtype == half["data"].dtype

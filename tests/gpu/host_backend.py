@@ -166,3 +166,18 @@ def run_training(backend, case, kw, heads, dtype, opts=CallOptions(), projection
     grads = op.backward(reserve, *inputs, heads["dout"], heads["dhy"], heads["dcy"])
     inference = op.forward(*inputs)
     return [a for a in (*outs, *grads, *inference) if a is not None]
+
+
+def run_stored_as(backend, case, kw, heads, storage="bfloat16"):
+    """run_training of float32 arrays holding `storage` values, the op told they stand for
+    it (op.RNN's _stored_as: torch's CUDA bfloat16), and of the float64 CPU op on the same
+    values: (got, want)."""
+    half = HALF_DTYPES[storage]
+
+    def values(tree, dtype):
+        return {k: None if v is None else v.astype(half).astype(dtype) for k, v in tree.items()}
+    got = run_training(backend, values(case, np.float32), kw, values(heads, np.float32),
+                       np.float32, stored_as=storage)
+    want = run_training(CPU, values(case, np.float64), kw, values(heads, np.float64),
+                        np.float64)
+    return got, want

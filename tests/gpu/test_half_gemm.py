@@ -17,7 +17,7 @@ from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import GpuBackend, halfgemm
 from fusedrnn.gpu.persistent import DeviceLimits
 from host_backend import (HALF_DTYPES, HostCudaBackend, build_harness, host_gemm_ex,
-                          host_narrow, run_training)
+                          host_narrow, run_stored_as, run_training)
 from test_host_emulation import _projected_case
 from test_precision import HALF, assert_within, longest_product, rounded
 
@@ -315,16 +315,8 @@ def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness, every_pro
     """op.RNN's _stored_as (torch's CUDA bfloat16 arrives as float32): bfloat16 GEMMs."""
     dtype = HALF["bfloat16"]
     case, kw, heads = make_case("gru", T=6, N=5, I=4, H=9, L=2, D=1, seed=2)
-    values = {k: None if v is None else v.astype(dtype).astype(np.float32)
-              for k, v in case.items()}
-    head_values = {k: None if v is None else v.astype(dtype).astype(np.float32)
-                   for k, v in heads.items()}
     backend = HostCudaBackend(harness, half_gemms=True)
-    got = run_training(backend, values, kw, head_values, np.float32, stored_as="bfloat16")
-    want = run_training(CPU, {k: None if v is None else v.astype(np.float64)
-                              for k, v in values.items()}, kw,
-                        {k: None if v is None else v.astype(np.float64)
-                         for k, v in head_values.items()}, np.float64)
+    got, want = run_stored_as(backend, case, kw, heads)
     assert {half for _, _, half in backend.half_products} == {"bfloat16"}
     assert len(backend.half_products) == _expected_products(2, 1)
     for a, b in zip(got, want):

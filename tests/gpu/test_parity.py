@@ -219,7 +219,6 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
     every output and gradient within test_precision's bound of the float64 op on the same
     rounded inputs; the layers did take the tensor-core plan."""
     from fusedrnn.gpu import persistent
-    from test_precision import assert_within, longest_product, rounded
     monkeypatch.setenv(persistent.ENV, "1")
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
     plans = []
@@ -230,14 +229,21 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
         plans.append(None if layer is None else layer.plan.precision)
         return layer
     monkeypatch.setattr(gpu, "cupy_persistent_layer", spy)
-    case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=3)
+    _assert_float16_within_the_half_bound(mode, L, D, seed=3)
+    assert plans and set(plans) == {"float16"}
+
+
+def _assert_float16_within_the_half_bound(mode, L, D, seed):
+    """CuPy float16 through the op as the environment sets it up: every output and
+    gradient within test_precision's bound of the float64 op on the same rounded inputs."""
+    from test_precision import assert_within, longest_product, rounded
+    case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=seed)
     half, exact = rounded(case, np.float16)
     half_heads, exact_heads = rounded(heads, np.float16)
     if not CELLS[mode].has_cell_state:
         half_heads["dcy"] = exact_heads["dcy"] = None
     got_outs, got_grads = _run(_on_gpu(half), kw, _on_gpu(half_heads))
     want_outs, want_grads = _run(exact, kw, exact_heads)
-    assert plans and set(plans) == {"float16"}
     K = longest_product(kw, 6)
     names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
                                                    "dstate_cell")
@@ -255,7 +261,6 @@ def test_float16_half_gemms_within_the_half_bound(mode, path, monkeypatch):
     kernels with their tensor-core products: every output and gradient within
     test_precision's bound of the float64 op; the half GEMMs did run."""
     from fusedrnn.gpu import halfgemm, persistent
-    from test_precision import assert_within, longest_product, rounded
     monkeypatch.setenv(persistent.ENV, path)
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, path)
     monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "1")
@@ -263,21 +268,8 @@ def test_float16_half_gemms_within_the_half_bound(mode, path, monkeypatch):
     real = halfgemm.HalfGemm.matmul
     monkeypatch.setattr(halfgemm.HalfGemm, "matmul",
                         lambda self, *args, **kw: calls.append(args[5]) or real(self, *args, **kw))
-    case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=2, D=2, seed=4)
-    half, exact = rounded(case, np.float16)
-    half_heads, exact_heads = rounded(heads, np.float16)
-    if not CELLS[mode].has_cell_state:
-        half_heads["dcy"] = exact_heads["dcy"] = None
-    got_outs, got_grads = _run(_on_gpu(half), kw, _on_gpu(half_heads))
-    want_outs, want_grads = _run(exact, kw, exact_heads)
+    _assert_float16_within_the_half_bound(mode, 2, 2, seed=4)
     assert len(calls) == 2 * (1 + 1 + 2 * 2) and set(calls) == {"float16"}
-    K = longest_product(kw, 6)
-    names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
-                                                   "dstate_cell")
-    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert_within(cupy.asnumpy(a), b, np.float16, K, name)
 
 
 # ---- the persistent kernels (fusedrnn/gpu/persistent.cuh), selected explicitly ----

@@ -17,7 +17,7 @@ from fusedrnn.config import CELLS, CallOptions
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
-from host_backend import HostCudaBackend, build_harness, run_training
+from host_backend import HostCudaBackend, build_harness, run_stored_as, run_training
 from test_precision import HALF, assert_within, longest_product, rounded
 
 # Small "devices" of compute capability 9.0: H=9 or 40 units split unevenly over blocks.
@@ -101,16 +101,8 @@ def test_float32_data_stored_as_bfloat16_takes_the_bfloat16_products(harness, mo
     bfloat16): the bfloat16 plan, within bfloat16's bound."""
     dtype = HALF["bfloat16"]
     case, kw, heads = make_case(mode, T=6, N=5, I=4, H=9, L=2, D=2, seed=4)
-    values = {k: None if v is None else v.astype(dtype).astype(np.float32)
-              for k, v in case.items()}
-    head_values = {k: None if v is None else v.astype(dtype).astype(np.float32)
-                   for k, v in heads.items()}
     backend = HostCudaBackend(harness, persistent=TWO_SMS)
-    got = run_training(backend, values, kw, head_values, np.float32, stored_as="bfloat16")
-    want = run_training(CPU, {k: None if v is None else v.astype(np.float64)
-                              for k, v in values.items()}, kw,
-                        {k: None if v is None else v.astype(np.float64)
-                         for k, v in head_values.items()}, np.float64)
+    got, want = run_stored_as(backend, case, kw, heads)
     assert {plan.precision for plan in backend.plans} == {"bfloat16"}
     for a, b in zip(got, want):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
