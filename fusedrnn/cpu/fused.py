@@ -535,7 +535,9 @@ class FusedLayer:
                 # padded to whole 16-sample panels: forward_single stores 16 rows at once
                 "tiles": (panels(H), columns * PANEL if single else batch,
                           TILE_GROUPS * PANEL),
-                "wx_panels": (panels(D * GH) * max_in * PANEL if projects else 0,),
+                # float32 panels of W_x; the bf16 layer projects from wx_pairs alone
+                "wx_panels": (panels(D * GH) * max_in * PANEL if projects and not pairs
+                              else 0,),
                 # project_widened's rows, a block per worker (it takes chunks in turn)
                 "x_block": (min(nb.config.NUMBA_NUM_THREADS, -(-steps * batch // CHUNK))
                             if projects and self.widens else 0, CHUNK,

@@ -385,6 +385,10 @@ def test_bfloat16_takes_the_vdpbf16ps_layer_where_the_cpu_has_it(mode):
     assert op.dtype == np.float32 and op.converts and op._data_in_place
     # without the instruction, the float32 layer that widens the data as it reads it
     assert op.driver.layer.bf16 is HAS_BF16 and op.driver.layer.widens is not HAS_BF16
+    # each layer carves the input weights' panels it projects from, and only those
+    shapes = op.driver.layer.forward_scratch(op.config, op.T, op.N)
+    assert bool(np.prod(shapes["wx_pairs"])) is HAS_BF16
+    assert bool(np.prod(shapes["wx_panels"])) is not HAS_BF16
     single = _bf16_op(mode, T=1)   # the T=1 form runs in float32 between the conversions
     assert single.driver.single and not single._data_in_place
 
