@@ -12,7 +12,7 @@ import time
 
 from . import cases as case_lib
 from . import report, runner
-from .peers import OP_PEERS
+from .peers import HALF_DTYPES, OP_PEERS
 
 
 def add_arguments(parser):
@@ -27,7 +27,10 @@ def add_arguments(parser):
                         help="run only the cases whose name matches this regular expression")
     parser.add_argument("--peers", default=",".join(OP_PEERS),
                         help=f"comma-separated, of {', '.join(OP_PEERS)}")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"),
+                        default="float32",
+                        help="bfloat16: CPU, op cases only (fusedrnn on ml_dtypes arrays "
+                             "against torch.nn in torch.bfloat16; no naive loops)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed blocks per peer and case (default 5, --quick 3)")
     parser.add_argument("--block-ms", type=float, default=1e3 * runner.BLOCK_S,
@@ -47,6 +50,13 @@ def run(args):
         print(f"bench: unknown case groups or peers {unknown}, or fusedrnn missing from "
               f"--peers; groups: {case_lib.GROUPS}, peers: {OP_PEERS}", file=sys.stderr)
         return 2
+    if args.dtype in HALF_DTYPES:
+        refused = sorted(set(groups) & set(case_lib.FLOAT32_GROUPS))
+        if args.device != "cpu" or refused:
+            print(f"bench: --dtype {args.dtype} runs on the CPU, op cases only; got "
+                  f"--device {args.device}, groups {refused} (their models and scripts "
+                  f"are float32)", file=sys.stderr)
+            return 2
     repeats = args.repeats or (3 if args.quick else 5)
     missing = runner.torch_available(args.device)
     peers = [p for p in wanted if not (p == "torch" and missing)]

@@ -38,6 +38,9 @@ from dataclasses import dataclass
 from ..config import CELLS
 
 GROUPS = ("grid", "train-step", "design-doc", "float64", "batch", "hidden", "seq2seq", "cold")
+# Groups whose models (train-step) and fresh-process scripts (cold) run in float32 whatever
+# --dtype says: a half-precision run refuses them rather than mislabel their figures.
+FLOAT32_GROUPS = ("train-step", "cold")
 QUICK_GROUPS = ("grid", "train-step", "seq2seq", "cold")
 
 # (T, N, H) axes of the size grid.

@@ -15,6 +15,26 @@ from ..config import CELLS
 OP_PEERS = ("fusedrnn", "torch", "naive", "naive-hoisted")
 # The train-step group has two: fusedrnn.torch's module and torch.nn's, in the same model.
 STEP_PEERS = ("fusedrnn", "torch")
+# --dtype names numpy spells through ml_dtypes (the CPU's half precision: fusedrnn takes
+# ml_dtypes.bfloat16 arrays, torch its own bfloat16).
+HALF_DTYPES = ("bfloat16",)
+
+
+def numpy_dtype(name):
+    if name in HALF_DTYPES:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def to_torch(array):
+    """A host array as a torch tensor (bfloat16 through its bits: torch.from_numpy has
+    no ml_dtypes)."""
+    import torch
+    if array.dtype.name in HALF_DTYPES:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(
+            getattr(torch, array.dtype.name))
+    return torch.from_numpy(array)
 
 
 class Inputs:
@@ -27,6 +47,7 @@ class Inputs:
                                             state_size=case.H, num_layers=case.L,
                                             bidirectional=case.bidirectional)
         scale = case.H ** -0.5
+        dtype = numpy_dtype(dtype)
         host = {
             "data": rng.standard_normal((case.T, case.N, case.I)).astype(dtype),
             "params": rng.uniform(-scale, scale, self.layout.size).astype(dtype),
@@ -73,19 +94,19 @@ def torch_module(mode, *args, fused=False, **kwargs):
 def torch_peer(inputs, device):
     import torch
     c = inputs.case
-    dtype = torch.float64 if inputs.host["data"].dtype == np.float64 else torch.float32
+    dtype = getattr(torch, inputs.host["data"].dtype.name)   # the peers' dtype
     module = torch_module(c.mode, c.I, c.H, num_layers=c.L, bidirectional=c.bidirectional)
     module = module.to(device=device, dtype=dtype)
-    module.load_state_dict({k: torch.from_numpy(v) for k, v in
+    module.load_state_dict({k: to_torch(v) for k, v in
                             inputs.layout.to_torch_state_dict(inputs.host["params"]).items()})
-    x = torch.from_numpy(inputs.host["data"]).to(device)
+    x = to_torch(inputs.host["data"]).to(device)
     if not c.train:
         def infer():
             with torch.no_grad():
                 return module(x)
         return infer
     x.requires_grad_(True)
-    dout = torch.from_numpy(inputs.host["dout"]).to(device)
+    dout = to_torch(inputs.host["dout"]).to(device)
 
     def train():
         module.zero_grad(set_to_none=True)
@@ -151,8 +172,10 @@ def naive_peer(inputs, hoisted):
     """The textbook loop: per step x[t] @ W_x.T + h @ W_h.T and the cell in array ops;
     `hoisted` computes every step's x @ W_x.T in one GEMM first. Inference of one layer
     only: it has no backward, and its multi-layer figures cost minutes and say nothing
-    the single-layer ones do not."""
-    if inputs.case.train or inputs.case.L > 1 or inputs.case.mode not in NAIVE_CELLS:
+    the single-layer ones do not. None in bfloat16 (ml_dtypes' arithmetic is element by
+    element in Python's speed class: not a loop anyone runs)."""
+    if (inputs.case.train or inputs.case.L > 1 or inputs.case.mode not in NAIVE_CELLS or
+            inputs.host["data"].dtype.name in HALF_DTYPES):   # numpy has no bfloat16 math
         return None
     return lambda: naive_forward(inputs, hoisted)
 

@@ -131,6 +131,44 @@ def test_unknown_group_is_refused():
     assert done.returncode == 2 and "unknown case groups" in done.stderr
 
 
+def test_bfloat16_grid_cells_against_torch_bfloat16(tmp_path):
+    """--dtype bfloat16 (CPU): fusedrnn on ml_dtypes arrays against torch.nn in
+    torch.bfloat16, every figure finite and positive, the share of bfloat16's ceiling;
+    the naive loops have none."""
+    pytest.importorskip("ml_dtypes")
+    done = subprocess.run(
+        [sys.executable, "-m", "fusedrnn", "bench", "--quick", "--dtype", "bfloat16",
+         "--repeats", "1", "--block-ms", "5", "--cases", "grid,seq2seq", "--filter",
+         r"^lstm T=20 N=1 I=64 |^lstm T=1 N=1 I=8 H=8 infer", "--peers",
+         "fusedrnn,torch,naive", "--json", str(tmp_path / "r.json"), "--heatmap",
+         str(tmp_path / "g.png")], capture_output=True, text=True, cwd=tmp_path, env=ENV,
+        timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "; bfloat16;" in done.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["dtype"] == "bfloat16" and len(doc["cases"]) == 3
+    for case in doc["cases"]:
+        assert set(case["seconds"]) == {"fusedrnn", "torch"}, case["name"]   # no naive
+        ceiling = doc["ceilings"]["bfloat16"]["best"]
+        for peer, stats in case["seconds"].items():
+            assert math.isfinite(stats["median"]) and stats["median"] > 0
+            gflops = case["flops"] / stats["median"] / 1e9
+            assert case["percent_of_ceiling"][peer] == pytest.approx(100 * gflops / ceiling)
+    head = _rows(done.stdout, "Grid: fusedrnn vs torch.nn")
+    assert [(r[0], r[1], r[2]) for r in head[1:]] == [
+        ("lstm", "infer", "1"), ("lstm", "train", "1"), ("all", "both", "2")]
+
+
+@pytest.mark.parametrize("args", [["--cases", "train-step"], ["--cases", "grid,cold"],
+                                  ["--device", "gpu", "--cases", "grid"]])
+def test_bfloat16_refuses_what_it_would_mislabel(args):
+    """The train steps' models and first use's scripts are float32, and the GPU's arrays
+    are CuPy's (no bfloat16): refused, not run in another dtype under bfloat16's name."""
+    done = subprocess.run([sys.executable, "-m", "fusedrnn", "bench", "--dtype", "bfloat16",
+                           *args], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert done.returncode == 2 and "--dtype bfloat16 runs on the CPU" in done.stderr
+
+
 def _times(torch_s, fused_s=1.0):
     return {"fusedrnn": {"median": fused_s}, "torch": {"median": torch_s}}
 
