@@ -69,8 +69,9 @@ class FusedLayer(Protocol):
     fuses_single_step: bool   # True: it also implements SingleStep (used at T=1)
     reads_storage: bool       # True: project() also takes layer 0's input in the data's
                               # own dtype (half precision), read in place
-    reads_weights: bool       # True: project() and forward() also take W_x and W_h in the
-                              # data's own dtype (the parameters in place; biases float32)
+    reads_weights: bool       # True: project(), forward() and forward_single() also take
+                              # W_x and W_h in the data's own dtype (the parameters in
+                              # place; biases float32)
 
     def forward_scratch(self, config, steps, batch) -> dict:
         """{name: shape} of scratch in the data's dtype, carved once per op; forward and
@@ -136,8 +137,10 @@ class RecurrentOp:
         # An inference forward hands such a layer the data as it came, unconverted.
         self._data_in_place = (layer is not None and layer.reads_storage and
                                layer.projects_input and not self.driver.single)
-        # ... and its weights: an inference then converts the biases alone (into b32)
-        self._weights_in_place = self._data_in_place and layer.reads_weights
+        # ... and its weights: an inference then converts the biases alone (into b32). The
+        # T=1 form reads them in place too (its data, N rows, is converted).
+        self._weights_in_place = (layer is not None and layer.reads_weights and
+                                  (self._data_in_place or self.driver.single))
         # A training forward too reads the data in place where the backward's GEMMs run
         # on pairs (the weight gradient packs the data's bits as they are): no x32.
         self._trains_in_place = self._data_in_place and self._pairs
@@ -304,17 +307,13 @@ class RecurrentOp:
 
     def _biases(self, params):
         """{(layer, d, kind): float32 bias} for kind b_x and b_h, converted into scratch.b32
-        from the half-precision parameters."""
-        cfg, GH, lay = self.config, self.config.gate_rows, self.layout
-        biases, at = {}, 0
-        for layer in range(cfg.num_layers):
-            for d in range(cfg.directions):
-                for kind in ("b_x", "b_h"):
-                    biases[layer, d, kind] = self.backend.astype(
-                        lay.view(params, layer, d, kind), self.dtype,
-                        self.scratch.b32[at:at + GH])
-                    at += GH
-        return biases
+        from the half-precision parameters in one conversion: the layout keeps every bias
+        after the weights, in b32's order."""
+        blocks, GH = self.layout.blocks, self.config.gate_rows
+        start = blocks[0, 0, "b_x"][0]
+        b32 = self.backend.astype(params[start:], self.dtype, self.scratch.b32)
+        return {key: b32[offset - start:offset - start + GH]
+                for key, (offset, _) in blocks.items() if key[2] in ("b_x", "b_h")}
 
     def _forward(self, data, params, h0, c0, opts, reserve, out=None, biases=None):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N

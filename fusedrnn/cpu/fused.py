@@ -132,6 +132,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         K = x.shape[1]
+        weight_bits = w_x.itemsize == 2    # the T=1 form's bfloat16 weights, as uint16
         x_col, y_col = d * gates * H, d * H
         has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
         all_active = lengths.shape[0] == 0
@@ -201,14 +202,35 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 # column panel), stored transposed into the tile: the
                                 # weights are read once, in place.
                                 c = tile.ctypes.data
-                                panel_gemm_t(w_x.ctypes.data + (g * H + j0) * K * itemsize, K,
-                                             width, x_cols.ctypes.data, K * PANEL,
-                                             x_cols.shape[0], c + (_X + g) * PANEL * itemsize,
-                                             row, K, like)
-                                panel_gemm_t(w_h.ctypes.data + (g * H + j0) * H * itemsize, H,
-                                             width, h_cols.ctypes.data, H * PANEL,
-                                             h_cols.shape[0], c + (_R + g) * PANEL * itemsize,
-                                             row, H, like)
+                                wx_g = w_x.ctypes.data + (g * H + j0) * K * w_x.itemsize
+                                wh_g = w_h.ctypes.data + (g * H + j0) * H * w_h.itemsize
+                                if weight_bits:
+                                    # bfloat16 weights (bits): this block's rows widened
+                                    # into a buffer that stays in L1/L2 for the product
+                                    # (the op widens no weights; Measured: FusedLayer's
+                                    # note on reads_weights)
+                                    wb = np.empty(PANEL * max(K, H), np.uint32)
+                                    for r in range(width):
+                                        for k in range(K):
+                                            wb[r * K + k] = np.uint32(
+                                                w_x[g * H + j0 + r, k]) << np.uint32(16)
+                                    panel_gemm_t(wb.ctypes.data, K, width, x_cols.ctypes.data,
+                                                 K * PANEL, x_cols.shape[0],
+                                                 c + (_X + g) * PANEL * itemsize, row, K, like)
+                                    for r in range(width):
+                                        for k in range(H):
+                                            wb[r * H + k] = np.uint32(
+                                                w_h[g * H + j0 + r, k]) << np.uint32(16)
+                                    panel_gemm_t(wb.ctypes.data, H, width, h_cols.ctypes.data,
+                                                 H * PANEL, h_cols.shape[0],
+                                                 c + (_R + g) * PANEL * itemsize, row, H, like)
+                                else:
+                                    panel_gemm_t(wx_g, K, width, x_cols.ctypes.data,
+                                                 K * PANEL, x_cols.shape[0],
+                                                 c + (_X + g) * PANEL * itemsize, row, K, like)
+                                    panel_gemm_t(wh_g, H, width, h_cols.ctypes.data,
+                                                 H * PANEL, h_cols.shape[0],
+                                                 c + (_R + g) * PANEL * itemsize, row, H, like)
                                 for n in range(N):   # units past H (partial block): zeros
                                     for u in range(width, PANEL):
                                         tile[n, (_R + g) * PANEL + u] = 0
@@ -481,7 +503,10 @@ class FusedLayer:
         self.bf16 = self.reads_storage = bf16
         # ... and its W_x and W_h as bfloat16 bits, packed into pairs as they are (an
         # inference converts no weights: the design-size LSTM's packing 3.0 -> 0.8 ms, and
-        # no 1 ms widening of 5.1M parameters first).
+        # no 1 ms widening of 5.1M parameters first). At T=1 (forward_single) the float32
+        # kernel reads them in place, each block widening its 16 rows into a buffer in
+        # cache: a decoder step reads the weights' 2 bytes once, not 2 + 4 to widen the
+        # vector and 4 again to multiply.
         # Measured: bench/results/cpu-kernel-notes.md#bf16-weights-read-in-place
         self.reads_weights = bf16
         # float16 data (and bfloat16 without AVX512-BF16) on the float32 layer: the widening
@@ -614,6 +639,18 @@ class FusedLayer:
                           self._no_weights, self._no_weights, self._no_panels,
                           self._no_panels, h16, wpairs, *share)
 
+    def _weight(self, w):
+        """A weight for forward_single, contiguous: in the layer's dtype, or with
+        reads_weights bfloat16 as its bits (uint16: the kernel widens a block's rows at a
+        time)."""
+        if w.dtype == self.dtype:
+            return np.ascontiguousarray(w)
+        if self.reads_weights and w.dtype.name == "bfloat16":
+            return np.ascontiguousarray(w).view(np.uint16)
+        raise TypeError(f"FusedLayer.forward_single: weights of {self.dtype} "
+                        f"{'or bfloat16 ' if self.reads_weights else ''}expected, got "
+                        f"{w.dtype}")
+
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                        clip_lo, clip_hi, clip_flags):
         """A whole T=1 layer-direction in one parallel region, with the weights used in
@@ -623,7 +660,10 @@ class FusedLayer:
         region launches, the weights copied twice) costs more than the products
         (measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-form).
             x2d     (N, K)            in   the layer input of the one step
-            w_x     (G*H, K), w_h (G*H, H)   in   this direction's weights, C-contiguous
+            w_x     (G*H, K), w_h (G*H, H)   in   this direction's weights, C-contiguous;
+                                              with reads_weights also bfloat16 (read in
+                                              place, each block's rows widened as it
+                                              takes them: the same sums)
             scratch.tiles   (B, ceil(N/16)*16, 256)   forward_scratch's, T=1
             scratch.x_cols  flat, >= ceil(N/16)*K*16;  scratch.h_cols (ceil(N/16), H, 16)
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
@@ -636,7 +676,7 @@ class FusedLayer:
         with LAUNCH_LOCK:
             kernel(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                    scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
-                   np.ascontiguousarray(w_x), np.ascontiguousarray(w_h),
+                   self._weight(w_x), self._weight(w_h),
                    scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
                    h_cols, self._no_h16, self._no_pairs, *share)
 

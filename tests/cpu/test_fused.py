@@ -446,10 +446,35 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
     if HAS_BF16:
         assert half["parameters"].size not in converted and half["data"].size not in converted
         GH = CELLS[mode].gates * 24
-        assert converted.count(GH) >= 2 * L * D   # the biases
+        assert 2 * L * D * GH in converted   # the biases, in one conversion
     out_train, handle = fusedrnn.RNN(**half, **kw, train=True)
     handle.release()
     assert np.array_equal(out.view(np.uint16), out_train.view(np.uint16))
+
+
+@pytest.mark.parametrize("mode,L,D,N,H", [("lstm", 2, 2, 5, 24), ("gru", 1, 1, 17, 33),
+                                          ("rnn_tanh", 1, 2, 3, 16)])
+def test_a_bf16_single_step_reads_the_weights_in_place(monkeypatch, build, mode, L, D, N,
+                                                      H):
+    """At T=1 (forward_single, its float32 kernel) the bf16 layer reads W_x and W_h in
+    place, each block widening its rows as it takes them: an inference converts the
+    data, the states and the biases, never the parameter vector, and its outputs are the
+    same bits as the training forward's, which multiplies the vector's float32 copy."""
+    import ml_dtypes
+    from fusedrnn.cache import thread_cache
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    thread_cache().clear()
+    case, kw, _ = make_case(mode, T=1, N=N, I=8, H=H, L=L, D=D, seed=N)
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
+    converted = _record_conversions(monkeypatch, lambda array, to: array.size)
+    inference = fusedrnn.RNN(**half, **kw, state_outputs=True)
+    assert (half["parameters"].size not in converted) is HAS_BF16
+    *training, handle = fusedrnn.RNN(**half, **kw, state_outputs=True, train=True)
+    handle.release()
+    assert len(inference) == len(training) == (3 if mode == "lstm" else 2)
+    for got, want in zip(inference, training):
+        assert not np.isnan(got.astype(np.float32)).any()
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 def test_a_bf16_training_step_reads_the_data_in_place(monkeypatch):
