@@ -18,7 +18,8 @@ does the whole layer-direction in one region with the weights read in place: the
 each weight is used once and packing it would cost more than the product.
 
 layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-              clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, counters, workers)
+              clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16, wpairs,
+              counters, workers)
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
@@ -34,11 +35,13 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     lengths (N,) int64      in   per-sample lengths, (0,) for all T: inactive steps carry
                                  the state and write 0 to y
     clip_*                       LSTM cell-state clipping, in the data's dtype (cells.py)
-    x, w_x, w_h, x_cols, h_cols   empty here; the T=1 form's inputs there
+    x, w_x, w_h, x_cols, h_cols, w_rows   empty here; the T=1 form's inputs there
                                  (FusedLayer.forward_single documents them)
+    h16, wpairs                  the bf16 layer's h_t rounded and W_h's pairs (empty else)
     counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
-    All arrays C-contiguous and of one dtype (lengths, counters excepted); no two overlap.
+    All arrays C-contiguous and of one dtype (lengths, counters, the bf16 layer's bits
+    excepted); no two overlap.
 """
 from __future__ import annotations
 
@@ -126,8 +129,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     per = 2 if gates == 1 and not single_step else 1
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, h16, wpairs,
-                      counters, workers):
+                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16,
+                      wpairs, counters, workers):
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
@@ -153,6 +156,9 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                 pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
                             h_cols[p])
         for worker in prange(workers):   # each walks every step (workshare.py)
+            # the worker's rows of widened bfloat16 weights (an argument: the caller's
+            # array outlives every product that reads it)
+            wb = w_rows[worker % w_rows.shape[0]]   # (one empty row where unused)
             for step in range(T):
                 t = step if d == 0 else T - 1 - step
                 prev = t if d == 0 else t + 1
@@ -202,14 +208,11 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 # column panel), stored transposed into the tile: the
                                 # weights are read once, in place.
                                 c = tile.ctypes.data
-                                wx_g = w_x.ctypes.data + (g * H + j0) * K * w_x.itemsize
-                                wh_g = w_h.ctypes.data + (g * H + j0) * H * w_h.itemsize
                                 if weight_bits:
                                     # bfloat16 weights (bits): this block's rows widened
-                                    # into a buffer that stays in L1/L2 for the product
-                                    # (the op widens no weights; Measured: FusedLayer's
-                                    # note on reads_weights)
-                                    wb = np.empty(PANEL * max(K, H), np.uint32)
+                                    # into the worker's rows, which stay in L1/L2 for the
+                                    # product (the op widens no weights; Measured:
+                                    # FusedLayer's note on reads_weights)
                                     for r in range(width):
                                         for k in range(K):
                                             wb[r * K + k] = np.uint32(
@@ -225,6 +228,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                                  H * PANEL, h_cols.shape[0],
                                                  c + (_R + g) * PANEL * itemsize, row, H, like)
                                 else:
+                                    wx_g = w_x.ctypes.data + (g * H + j0) * K * itemsize
+                                    wh_g = w_h.ctypes.data + (g * H + j0) * H * itemsize
                                     panel_gemm_t(wx_g, K, width, x_cols.ctypes.data,
                                                  K * PANEL, x_cols.shape[0],
                                                  c + (_X + g) * PANEL * itemsize, row, K, like)
@@ -531,6 +536,7 @@ class FusedLayer:
         self._no_wpack = np.empty((0, 0, 0, 0), self.dtype)
         self._no_h16 = np.empty((0, 0, 0, 0), np.uint16)
         self._no_pairs = np.empty((0, 0, 0, 0), np.uint32)
+        self._no_rows = np.empty((1, 0), np.uint32)   # (w_rows: one row, as it is indexed)
         self._backward, self._backward_serial = (
             _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel,
                                  bf16=bf16)
@@ -569,7 +575,11 @@ class FusedLayer:
                             config.input_size if projects and self.widens else 0),
                 "spill": (-(-steps * batch // CHUNK) if projects else 0, CHUNK, PANEL),
                 "x_cols": ((columns * max_in * PANEL) if single else 0,),   # flat: any K
-                "h_cols": (columns if single else 0, H, PANEL)}
+                "h_cols": (columns if single else 0, H, PANEL),
+                # forward_single's bfloat16 weights widened, 16 rows per worker (float32-
+                # sized, viewed as uint32)
+                "w_rows": (nb.config.NUMBA_NUM_THREADS if single and self.reads_weights
+                           else 0, PANEL * max(max_in, H))}
 
     def backward_scratch(self, config, batch):
         """W_h packed by rows (pack_recurrent_rows), or with bf16 as pairs (pack_k_pairs)
@@ -637,7 +647,7 @@ class FusedLayer:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
                           self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels, h16, wpairs, *share)
+                          self._no_panels, self._no_rows, h16, wpairs, *share)
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: in the layer's dtype, or with
@@ -666,6 +676,8 @@ class FusedLayer:
                                               takes them: the same sums)
             scratch.tiles   (B, ceil(N/16)*16, 256)   forward_scratch's, T=1
             scratch.x_cols  flat, >= ceil(N/16)*K*16;  scratch.h_cols (ceil(N/16), H, 16)
+            scratch.w_rows  (threads, 16*max(K, H)), read where the weights are bfloat16:
+                            each worker's 16 rows widened to float32
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
         scalar = self.dtype.type
         K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
@@ -673,12 +685,18 @@ class FusedLayer:
         serial = N * GH * (H + K) <= SERIAL_WORK
         kernel = self._forward_single_serial if serial else self._forward_single
         share = _workshare(1, tiles.shape[0], serial)
+        w_x, w_h = self._weight(w_x), self._weight(w_h)
+        w_rows = self._no_rows
+        if w_x.dtype == np.uint16:   # the worker's rows of widened weights
+            w_rows = scratch.w_rows.view(np.uint32)
+            if w_rows.shape[0] < share[1] or w_rows.shape[1] < PANEL * max(K, H):
+                raise ValueError(f"FusedLayer.forward_single: w_rows {w_rows.shape} cannot "
+                                 f"hold {PANEL} rows of {max(K, H)} for {share[1]} workers")
         with LAUNCH_LOCK:
             kernel(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                    scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
-                   self._weight(w_x), self._weight(w_h),
-                   scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
-                   h_cols, self._no_h16, self._no_pairs, *share)
+                   w_x, w_h, scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
+                   h_cols, w_rows, self._no_h16, self._no_pairs, *share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
