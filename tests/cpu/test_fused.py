@@ -471,7 +471,7 @@ def test_a_bf16_single_step_reads_the_weights_in_place(monkeypatch, build, mode,
     assert (half["parameters"].size not in converted) is HAS_BF16
     *training, handle = fusedrnn.RNN(**half, **kw, state_outputs=True, train=True)
     handle.release()
-    assert len(inference) == len(training) == (3 if mode == "lstm" else 2)
+    assert len(inference) == len(training) == (3 if CELLS[mode].has_cell_state else 2)
     for got, want in zip(inference, training):
         assert not np.isnan(got.astype(np.float32)).any()
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
