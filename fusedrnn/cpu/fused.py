@@ -89,6 +89,22 @@ TILE_GROUPS = 16
 
 
 @nb.njit(inline="always", cache=True)
+def _weight_rows(w, first, count, wb):
+    """The address of rows first..first+count-1 of a weight (C-contiguous) as the T=1
+    form's product reads them: in place, or where w holds bfloat16 bits (uint16) widened
+    into the worker's rows wb first, which stay in L1/L2 for the product (so the op
+    widens no weights; Measured: FusedLayer's note on reads_weights). wb is overwritten:
+    take the next weight's rows after this one's product."""
+    K = w.shape[1]
+    if w.itemsize == 2:
+        for r in range(count):
+            for k in range(K):
+                wb[r * K + k] = np.uint32(w[first + r, k]) << np.uint32(16)
+        return wb.ctypes.data
+    return w.ctypes.data + np.uint64(first * K * w.itemsize)   # (uint64 either way)
+
+
+@nb.njit(inline="always", cache=True)
 def _hand_over(tiles, first, N, group, like):
     """After a pair's product (note above _make_layer_forward; the backward's, note above
     PAIR_ROWS): the second block's sums, left in group `group` + 1 of the first
@@ -135,7 +151,6 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         K = x.shape[1]
-        weight_bits = w_x.itemsize == 2    # the T=1 form's bfloat16 weights, as uint16
         x_col, y_col = d * gates * H, d * H
         has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
         all_active = lengths.shape[0] == 0
@@ -208,34 +223,13 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 # column panel), stored transposed into the tile: the
                                 # weights are read once, in place.
                                 c = tile.ctypes.data
-                                if weight_bits:
-                                    # bfloat16 weights (bits): this block's rows widened
-                                    # into the worker's rows, which stay in L1/L2 for the
-                                    # product (the op widens no weights; Measured:
-                                    # FusedLayer's note on reads_weights)
-                                    for r in range(width):
-                                        for k in range(K):
-                                            wb[r * K + k] = np.uint32(
-                                                w_x[g * H + j0 + r, k]) << np.uint32(16)
-                                    panel_gemm_t(wb.ctypes.data, K, width, x_cols.ctypes.data,
-                                                 K * PANEL, x_cols.shape[0],
-                                                 c + (_X + g) * PANEL * itemsize, row, K, like)
-                                    for r in range(width):
-                                        for k in range(H):
-                                            wb[r * H + k] = np.uint32(
-                                                w_h[g * H + j0 + r, k]) << np.uint32(16)
-                                    panel_gemm_t(wb.ctypes.data, H, width, h_cols.ctypes.data,
-                                                 H * PANEL, h_cols.shape[0],
-                                                 c + (_R + g) * PANEL * itemsize, row, H, like)
-                                else:
-                                    wx_g = w_x.ctypes.data + (g * H + j0) * K * itemsize
-                                    wh_g = w_h.ctypes.data + (g * H + j0) * H * itemsize
-                                    panel_gemm_t(wx_g, K, width, x_cols.ctypes.data,
-                                                 K * PANEL, x_cols.shape[0],
-                                                 c + (_X + g) * PANEL * itemsize, row, K, like)
-                                    panel_gemm_t(wh_g, H, width, h_cols.ctypes.data,
-                                                 H * PANEL, h_cols.shape[0],
-                                                 c + (_R + g) * PANEL * itemsize, row, H, like)
+                                unit = g * H + j0
+                                panel_gemm_t(_weight_rows(w_x, unit, width, wb), K, width,
+                                             x_cols.ctypes.data, K * PANEL, x_cols.shape[0],
+                                             c + (_X + g) * PANEL * itemsize, row, K, like)
+                                panel_gemm_t(_weight_rows(w_h, unit, width, wb), H, width,
+                                             h_cols.ctypes.data, H * PANEL, h_cols.shape[0],
+                                             c + (_R + g) * PANEL * itemsize, row, H, like)
                                 for n in range(N):   # units past H (partial block): zeros
                                     for u in range(width, PANEL):
                                         tile[n, (_R + g) * PANEL + u] = 0
