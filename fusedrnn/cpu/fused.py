@@ -647,13 +647,11 @@ class FusedLayer:
         """A weight for forward_single, contiguous: in the layer's dtype, or with
         reads_weights bfloat16 as its bits (uint16: the kernel widens a block's rows at a
         time)."""
-        if w.dtype == self.dtype:
-            return np.ascontiguousarray(w)
-        if self.reads_weights and w.dtype.name == "bfloat16":
-            return np.ascontiguousarray(w).view(np.uint16)
-        raise TypeError(f"FusedLayer.forward_single: weights of {self.dtype} "
-                        f"{'or bfloat16 ' if self.reads_weights else ''}expected, got "
-                        f"{w.dtype}")
+        if w.dtype != self.dtype and not (self.reads_weights and w.dtype.name == "bfloat16"):
+            raise TypeError(f"FusedLayer.forward_single: weights of {self.dtype} "
+                            f"{'or bfloat16 ' if self.reads_weights else ''}expected, got "
+                            f"{w.dtype}")
+        return np.ascontiguousarray(_bits_or_values(w))
 
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                        clip_lo, clip_hi, clip_flags):
