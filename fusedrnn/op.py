@@ -71,14 +71,14 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            call.dtype.name, _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)
-    with backend.device_context(call.data):
+    with op.lock, backend.device_context(call.data):
         reserve = op.take_reserve() if train else None
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
                                  call.options, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
     thread_cache().trim(keep=key)
     if train:
-        outputs += (TrainingHandle(backend, key, call, reserve),)
+        outputs += (TrainingHandle(backend, key, call, reserve, op),)
     return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -95,26 +95,27 @@ class TrainingHandle:
     Owns its reserve (states, gate activations and layer inputs of every step) until
     rnn_backward runs or `release()` is called; no other call writes into it. It also
     refers to the forward's data, parameters and states, which must not be modified
-    before backward.
+    before backward, and to the forward's op: the backward runs on it from any thread
+    (torch's autograd runs a CUDA backward on its device thread), never on an op that
+    thread's cache built with its own scratch and settings.
     """
 
-    def __init__(self, backend, key, call, reserve):
+    def __init__(self, backend, key, call, reserve, op):
         self._backend, self._key, self._call, self._reserve = backend, key, call, reserve
+        self._op = op
 
     @property
     def released(self) -> bool:
         return self._reserve is None
 
     def release(self) -> None:
-        """Give the reserve back for reuse (to this thread's op, if it is still cached;
-        else it is freed); backward is no longer possible."""
+        """Give the reserve back to the forward's op for reuse (freed with the op if its
+        cache has dropped it); backward is no longer possible."""
         if self._reserve is not None:
-            cache = thread_cache()
-            op = cache.peek(self._key)
-            if op is not None:
-                op.give_back_reserve(self._reserve)
-                cache.trim(keep=self._key)
+            with self._op.lock:
+                self._op.give_back_reserve(self._reserve)
             self._reserve = None
+            thread_cache().trim(keep=self._key)
 
 
 def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNGradients:
@@ -136,8 +137,8 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     dhy = _head_grad(backend, "dhy", dhy, (LD, N, R), call, call.state_outputs)
     dcy = _head_grad(backend, "dcy", dcy, (LD, N, cfg.state_size), call,
                      call.state_outputs and cfg.cell.has_cell_state)
-    op = _cached_op(backend, handle._key, call, handle._key[-1])
-    with backend.device_context(call.data):
+    op = handle._op
+    with op.lock, backend.device_context(call.data):
         g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
                                                    call.state, call.state_cell, call.options,
                                                    dout, dhy, dcy)

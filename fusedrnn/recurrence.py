@@ -24,6 +24,7 @@ initial state) at the cost of the padded batch, with no per-sample loop.
 """
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Protocol, runtime_checkable
 
@@ -170,6 +171,10 @@ class RecurrentOp:
             layer is not None and layer.projects_input) else None
         self._backward_scratch = None
         self._reserve_pool = []
+        # One call at a time: a training handle carries its op to whichever thread runs the
+        # backward (torch's autograd runs a CUDA backward on its own device thread), while
+        # the forward's thread may call the op again.
+        self.lock = threading.Lock()
 
     # -- reserves ---------------------------------------------------------------------
     def take_reserve(self):

@@ -52,10 +52,6 @@ class OpCache:
         self.trim(keep=key)
         return op
 
-    def peek(self, key):
-        """The cached op for `key`, or None; counts as neither hit nor miss."""
-        return self._ops.get(key)
-
     def nbytes(self):
         return sum(op.nbytes for op in self._ops.values())
 

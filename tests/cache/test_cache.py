@@ -113,16 +113,46 @@ def test_each_thread_has_its_own_cache():
     assert fusedrnn.cache_info().entries == 1
 
 
-def test_backward_in_another_thread_uses_that_threads_scratch():
+def test_backward_in_another_thread_runs_on_the_forwards_op():
+    """As torch's autograd runs a CUDA backward on its device thread: that thread builds
+    no op of its own (no second scratch, no settings of its own), and the reserve goes
+    back to the forward's op for its thread's next training call."""
     case, kw, heads = make_case("lstm", L=2)
     _, handle = fusedrnn.RNN(**case, **kw, train=True)
     expected = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault(
-        "g", fusedrnn.rnn_backward(handle, heads["dout"])))
+    reserve, result = handle._reserve, {}
+
+    def worker():
+        result["g"] = fusedrnn.rnn_backward(handle, heads["dout"])
+        result["info"] = fusedrnn.cache_info()
+    thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
     assert np.array_equal(result["g"].parameters, expected.parameters)
+    assert (result["info"].entries, result["info"].misses) == (0, 0)
+    _, again = fusedrnn.RNN(**case, **kw, train=True)
+    assert again._reserve is reserve
+
+
+def test_an_op_runs_one_call_at_a_time_across_threads():
+    """Two handles of one op carried to two threads, their backwards at once (as two
+    threads' autograd might): each result is the one it has alone (the op's lock: both
+    use its backward scratch)."""
+    case, kw, heads = make_case("gru", T=40, N=8, I=16, H=48, L=2, D=2, seed=2)
+    handles = [fusedrnn.RNN(**case, **kw, train=True)[1] for _ in range(2)]
+    want = fusedrnn.rnn_backward(handles[0], heads["dout"], retain=True)
+    bad = []
+
+    def backwards(handle):
+        for _ in range(40):
+            g = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+            bad.append(not np.array_equal(g.parameters, want.parameters))
+    threads = [threading.Thread(target=backwards, args=(h,)) for h in handles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(bad) == 80 and not any(bad)
 
 
 def test_limits_are_validated(limits):
