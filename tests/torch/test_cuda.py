@@ -89,7 +89,10 @@ def test_cuda_autocast_runs_in_its_dtype_like_torch_nn(dtype):
     with torch.autocast("cuda", dtype):
         out_theirs = theirs(x)[0]
         out = ours(x)[0]
-    assert out.dtype == out_theirs.dtype == dtype
+    # fusedrnn runs in autocast's dtype. torch.nn's cuDNN RNN runs in float16 under either
+    # (its autocast wrapper casts to half: torch 2.11, seen on an H200 on 2026-11-26), so
+    # its dtype is not compared; its values are, within bfloat16's unit roundoff.
+    assert out.dtype == dtype and out_theirs.dtype in (dtype, torch.float16)
     torch.testing.assert_close(out.float(), out_theirs.float(), rtol=0, atol=4 * 2.0 ** -8)
 
 
