@@ -77,12 +77,15 @@ def join_params(named, mode, I, H, L, D, P=None):
     return flat
 
 
-def cell(mode, x, h, c, wx, wh, bx, bh, clip=None):
+def cell(mode, x, h, c, wx, wh, bx, bh, clip=None, trace=None):
     """One step for one sample: returns (h', c'). h is the recurrent input (r with
-    projection); `clip` (LSTM) maps the updated c' to the clipped one."""
+    projection); `clip` (LSTM) maps the updated c' to the clipped one; `trace`, a list,
+    gets rnn_relu's pre-activation appended (its kink is at 0)."""
     H = wh.shape[0] // GATES[mode]
     if mode in ("rnn_relu", "rnn_tanh"):
         a = wx @ x + bx + wh @ h + bh
+        if trace is not None and mode == "rnn_relu":
+            trace.append(a.copy())
         return (np.maximum(a, 0.0) if mode == "rnn_relu" else np.tanh(a)), c
     if mode == "lstm":
         a = wx @ x + bx + wh @ h + bh
@@ -107,7 +110,8 @@ def rnn_reference(data, parameters, state=None, state_cell=None, *, mode, state_
 
     sequence_length: (N,) ints in 1..T; dropout_masks: None or L-1 arrays (T, N, D*R)
     that multiply the input of layers 1..L-1 (scale included). `trace`, a list, gets
-    every LSTM c' before clipping appended (to see how close values sit to a bound).
+    every value that meets a kink of the math appended, to see how close values sit to
+    it: every LSTM c' before clipping, every rnn_relu pre-activation.
     """
     data = np.asarray(data, dtype=np.float64)
     T, N, I = data.shape
@@ -157,7 +161,7 @@ def rnn_reference(data, parameters, state=None, state_cell=None, *, mode, state_
                 steps = range(lengths[n])
                 for t in (steps if d == 0 else reversed(steps)):
                     h, c = cell(mode, x[t, n], r, c, w["W_x"], w["W_h"], w["b_x"], w["b_h"],
-                                clip)
+                                clip, trace)
                     r = h if w["W_r"] is None else w["W_r"] @ h
                     y[t, n, d * R:(d + 1) * R] = r
                 hy[k, n], cy[k, n] = r, c

@@ -194,8 +194,11 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
     """CuPy float16 on the float32 products (FUSEDRNN_GPU_TENSOR_CORES=0): the op's
-    conversions around the float32 kernels, as on the CPU, to one unit in float16's last
-    place (the float32 values inside differ by ~1e-7)."""
+    conversions around the float32 kernels, as on the CPU: one unit in float16's last
+    place of the larger of the two, plus 2^-18 of the array's largest value. The float32
+    sums inside differ by up to ~K 2^-24 of their terms (K <= T*N = 35 here): for a result
+    that cancels to near 0, more than a unit of its own last place (with the relative
+    bound alone this test failed for rnn_tanh's dparameters on an H200, 2026-11-26)."""
     from fusedrnn.gpu import persistent
     monkeypatch.setenv(persistent.ENV, path)
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "0")
@@ -209,7 +212,10 @@ def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
         if a is not None:
             assert a.dtype == np.float16
             a, b = cupy.asnumpy(a).astype(np.float64), b.astype(np.float64)
-            assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(b), 2.0 ** -14))
+            excess = np.abs(a - b) - (2.0 ** -10 * np.maximum(np.abs(a), np.abs(b)) +
+                                      2.0 ** -18 * np.abs(b).max())
+            worst = np.unravel_index(np.argmax(excess), excess.shape)
+            assert excess[worst] <= 0, (worst, a[worst], b[worst], np.abs(b).max())
 
 
 @pytest.mark.parametrize("L,D", [(1, 1), (2, 2)])
@@ -236,8 +242,9 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
 def _assert_float16_within_the_half_bound(mode, L, D, seed):
     """CuPy float16 through the op as the environment sets it up: every output and
     gradient within test_precision's bound of the float64 op on the same rounded inputs."""
-    from test_precision import assert_within, longest_product, rounded
+    from test_precision import assert_within, clear_of_the_kink, longest_product, rounded
     case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=seed)
+    case = clear_of_the_kink(case, kw)
     half, exact = rounded(case, np.float16)
     half_heads, exact_heads = rounded(heads, np.float16)
     if not CELLS[mode].has_cell_state:
