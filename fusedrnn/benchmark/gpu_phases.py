@@ -54,8 +54,9 @@ def main():
     parser.add_argument("--H", type=int, default=800)
     parser.add_argument("--modes", default=",".join(fusedrnn.MODES))
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
-                        help="float16: the op's half path (tensor-core products with "
-                             "FUSEDRNN_GPU_TENSOR_CORES=1)")
+                        help="float16: the op's half path (the tensor-core products and "
+                             "half GEMMs unless FUSEDRNN_GPU_TENSOR_CORES=0 / "
+                             "FUSEDRNN_GPU_HALF_GEMMS=0)")
     args = parser.parse_args()
     T, N, H = args.T, args.N, args.H
     module = instrumented_module()

@@ -7,10 +7,10 @@ round.
     python -m fusedrnn.benchmark.half --device cuda --dtypes float16,bfloat16 --modes lstm,gru
 
 CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32.
-CUDA: cuDNN (torch.nn) in the dtype, fusedrnn's persistent kernels with their tensor-core
-products and its large GEMMs in half (FUSEDRNN_GPU_TENSOR_CORES=1 FUSEDRNN_GPU_HALF_GEMMS=1),
-and fusedrnn as it runs by default (the same kernels' float32 products and GEMMs on the
-half data). Prints per round and peer the median of 5 blocks of 3
+CUDA: cuDNN (torch.nn) in the dtype, fusedrnn as it runs by default (the persistent
+kernels' tensor-core products and the large GEMMs in half; set explicitly), and fusedrnn
+with both turned off (FUSEDRNN_GPU_TENSOR_CORES=0 FUSEDRNN_GPU_HALF_GEMMS=0: the float32
+products and GEMMs on the half data). Prints per round and peer the median of 5 blocks of 3
 back-to-back calls (on CUDA each block ends with a synchronize), and the ratio of the
 medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is faster).
 """

@@ -42,8 +42,8 @@ class GpuBackend:
         gradients) of data stored as `storage` run in half (matmul's `pairs`: halfgemm.py,
         cuBLAS with float32 sums): float16 or bfloat16 from compute capability 8.0 (the
         rounding kernel's cvt.rn.bf16.f32; tensorcore.cuh's to_half traps before it),
-        where FUSEDRNN_GPU_HALF_GEMMS=1 asks for it (opt-in until measured on a GPU:
-        halfgemm.py). Else they run in the op's float32."""
+        unless FUSEDRNN_GPU_HALF_GEMMS=0 (halfgemm.py: the measurement behind the
+        default). Else they run in the op's float32."""
         if storage not in halfgemm.HALF_TYPES or not halfgemm.half_gemms_enabled():
             return False
         return int(self.xp.cuda.Device().compute_capability) >= 80

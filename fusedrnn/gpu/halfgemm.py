@@ -14,8 +14,10 @@ float16's range ends at 65504: a gate gradient above it (a loss scaled by 2^16, 
 rounds to inf here where the float32 GEMM kept it; the output then overflows too, and
 torch's GradScaler skips the step as for cuDNN's float16.
 
-Built and checked on the host (tests/gpu/test_half_gemm.py), not yet run on a GPU: opt-in
-(FUSEDRNN_GPU_HALF_GEMMS=1) until bench/gpu_session.sh half has checked and timed it.
+Checked on the host (tests/gpu/test_half_gemm.py) and on an H200, where with the
+tensor-core products it made the design size's half training step 4.1-4.3x faster than
+the float32 kernels and GEMMs (bench/results/gpu.md, 2026-11-26): on by default for half
+data; FUSEDRNN_GPU_HALF_GEMMS=0 keeps the float32 GEMMs.
 """
 from __future__ import annotations
 
@@ -43,15 +45,15 @@ NARROW_KERNELS = {name: f"fusedrnn::narrow_rows<{p}>" for name, p in _PRECISION.
 ALIGN = 8   # halves: each copy starts 16-byte aligned (cuBLAS's tensor-op alignment)
 # The input projection goes through the half GEMM from this many rows (T*N) on: below
 # it the product is bound by reading W_x, which the rounding copy reads and writes once
-# more (twice the float32 GEMM's traffic) - a decoder's T=1 step stays float32. Not yet
-# measured on a GPU (bench/gpu_session.sh half times the design size only).
+# more (twice the float32 GEMM's traffic) - a decoder's T=1 step stays float32. The
+# threshold itself is not measured yet (the H200 lease timed the design size only).
 MIN_PROJECTION_ROWS = 128
 
 
 def half_gemms_enabled(environ=os.environ):
-    """Whether FUSEDRNN_GPU_HALF_GEMMS=1 asks for the half GEMMs (off by default: module
-    docstring)."""
-    return environ.get(HALF_GEMMS_ENV, "0") == "1"
+    """Whether half data's large GEMMs may run in half: unless FUSEDRNN_GPU_HALF_GEMMS=0
+    (module docstring: the measurement behind the default)."""
+    return environ.get(HALF_GEMMS_ENV, "1") != "0"
 
 
 def _round_up(n, to=ALIGN):

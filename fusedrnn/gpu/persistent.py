@@ -15,13 +15,13 @@ persistent kernels off.
 
 float16 and bfloat16 data (the op's float32 inside, config.PRECISIONS) take the products on
 tensor cores where the device has them (compute capability 8.0 and later;
-fusedrnn/gpu/tensorcore.cuh) and FUSEDRNN_GPU_TENSOR_CORES=1 asks for them: W_h and the
-staged operands in half, float32 sums; the plan's shared memory then follows
-tensorcore.cuh's operand layout (mma_forward_operands, mma_backward_operands), and
-`slices` splits each product's k-steps of 16 so the tiles fill the block's warps. Built
-and checked on the host harness (tensorcore.cuh's host stand-in for mma.sync), not yet
-run on a GPU: so they are opt-in until bench/gpu_session.sh half has checked and timed
-them there, and half data keeps the float32 products by default.
+fusedrnn/gpu/tensorcore.cuh): W_h and the staged operands in half, float32 sums; the
+plan's shared memory then follows tensorcore.cuh's operand layout (mma_forward_operands,
+mma_backward_operands), and `slices` splits each product's k-steps of 16 so the tiles
+fill the block's warps. On by default since they were checked and timed on an H200
+(bench/results/gpu.md, 2026-11-26: with the half GEMMs, 2.2-2.8x the float32 products'
+inference and 4.1-4.3x their training at the design size); FUSEDRNN_GPU_TENSOR_CORES=0
+keeps half data on the float32 products.
 
 Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
 and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
@@ -215,14 +215,14 @@ def _mma_plan(gates, hidden, batch, limits, slices, units, blocks, precision):
 
 
 def tensor_cores_enabled(environ=os.environ):
-    """Whether FUSEDRNN_GPU_TENSOR_CORES=1 asks for the tensor-core products (off by
-    default until measured on a GPU: module docstring)."""
-    return environ.get(TENSOR_CORES_ENV, "0") == "1"
+    """Whether half data may take the tensor-core products: unless
+    FUSEDRNN_GPU_TENSOR_CORES=0 (module docstring: the measurement behind the default)."""
+    return environ.get(TENSOR_CORES_ENV, "1") != "0"
 
 
 def product_precision(storage, limits, environ=os.environ):
     """The plan's `precision` for data stored as `storage` (None: float32 and float64
-    data, a device before compute capability 8.0, or tensor cores not asked for)."""
+    data, a device before compute capability 8.0, or tensor cores turned off)."""
     if storage not in HALF_PRODUCTS or limits.capability < MIN_TENSOR_CORE_CAPABILITY:
         return None
     return storage if tensor_cores_enabled(environ) else None

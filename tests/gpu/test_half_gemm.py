@@ -151,15 +151,15 @@ def test_the_copies_start_16_byte_aligned_wherever_the_scratch_starts(offset):
 
 
 def test_pair_products_rule(monkeypatch):
-    """Opt-in (FUSEDRNN_GPU_HALF_GEMMS=1) until measured on a GPU; from compute capability
+    """On by default (FUSEDRNN_GPU_HALF_GEMMS=0 turns them off); from compute capability
     8.0 (the rounding kernel traps before it); never for float32 or float64 data."""
     def backend(capability):
         device = types.SimpleNamespace(compute_capability=capability)
         return GpuBackend(types.SimpleNamespace(cuda=types.SimpleNamespace(
             Device=lambda: device)))
-    monkeypatch.delenv(halfgemm.HALF_GEMMS_ENV, raising=False)
+    monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "0")
     assert not backend("90").pair_products("bfloat16")
-    monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "1")
+    monkeypatch.delenv(halfgemm.HALF_GEMMS_ENV, raising=False)
     assert backend("90").pair_products("bfloat16") and backend("90").pair_products("float16")
     assert not backend("75").pair_products("float16")
     assert not backend("75").pair_products("bfloat16")

@@ -193,15 +193,17 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
 @pytest.mark.parametrize("path", ["0", "1"], ids=["per-step", "persistent"])
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
-    """CuPy float16 on the float32 products (FUSEDRNN_GPU_TENSOR_CORES=0): the op's
+    """CuPy float16 on the float32 products and GEMMs (FUSEDRNN_GPU_TENSOR_CORES=0,
+    FUSEDRNN_GPU_HALF_GEMMS=0): the op's
     conversions around the float32 kernels, as on the CPU: one unit in float16's last
     place of the larger of the two, plus 2^-18 of the array's largest value. The float32
     sums inside differ by up to ~K 2^-24 of their terms (K <= T*N = 35 here): for a result
     that cancels to near 0, more than a unit of its own last place (with the relative
     bound alone this test failed for rnn_tanh's dparameters on an H200, 2026-11-26)."""
-    from fusedrnn.gpu import persistent
+    from fusedrnn.gpu import halfgemm, persistent
     monkeypatch.setenv(persistent.ENV, path)
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "0")
+    monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "0")
     case, kw, heads = make_case(mode, T=7, N=5, I=6, H=16, L=2, D=2, seed=5)
     case = {k: None if v is None else v.astype(np.float16) for k, v in case.items()}
     heads = {k: None if v is None else v.astype(np.float16) for k, v in heads.items()}

@@ -116,7 +116,7 @@ def test_before_compute_capability_8_half_data_keeps_the_float32_products(harnes
 
 def test_product_precision_rule(monkeypatch):
     monkeypatch.delenv(persistent.TENSOR_CORES_ENV, raising=False)
-    assert persistent.product_precision("float16", H100) is None   # opt-in, for now
+    assert persistent.product_precision("float16", H100) == "float16"   # the default
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
     assert persistent.product_precision("float16", H100) == "float16"
     assert persistent.product_precision("bfloat16", H100) == "bfloat16"
@@ -201,12 +201,14 @@ def test_conversions_round_to_nearest_even_as_numpy(harness, dtype):
 
 
 def test_op_plan_applies_the_environment():
-    """persistent.op_plan, the plan cupy_persistent_layer takes: tensor cores when asked
-    for and the data is half; FUSEDRNN_GPU_TILE's slices apply to them, its tile not."""
+    """persistent.op_plan, the plan cupy_persistent_layer takes: tensor cores for half
+    data unless turned off; FUSEDRNN_GPU_TILE's slices apply to them, its tile not."""
     env = {persistent.TENSOR_CORES_ENV: "1"}
     assert persistent.op_plan(4, 800, 20, 4, H100, "float16", env).precision == "float16"
+    assert persistent.op_plan(4, 800, 20, 4, H100, "float16", {}).precision == "float16"
     assert persistent.op_plan(4, 800, 20, 4, H100, None, env).precision is None
-    assert persistent.op_plan(4, 800, 20, 4, H100, "bfloat16", {}).precision is None
+    off = {persistent.TENSOR_CORES_ENV: "0"}
+    assert persistent.op_plan(4, 800, 20, 4, H100, "bfloat16", off).precision is None
     plan = persistent.op_plan(4, 800, 20, 4, H100, "bfloat16",
                               dict(env, **{persistent.TILE_ENV: "4,3"}))
     assert (plan.precision, plan.tile, plan.slices) == ("bfloat16", 1, 3)
