@@ -173,8 +173,10 @@ class RecurrentOp:
         self._reserve_pool = []
         # One call at a time: a training handle carries its op to whichever thread runs the
         # backward (torch's autograd runs a CUDA backward on its own device thread), while
-        # the forward's thread may call the op again.
-        self.lock = threading.Lock()
+        # the forward's thread may call the op again. Re-entrant: a handle released by the
+        # garbage collector (the torch integration's finalizer) during this op's own call
+        # gives its reserve back from inside it.
+        self.lock = threading.RLock()
 
     # -- reserves ---------------------------------------------------------------------
     def take_reserve(self):

@@ -155,6 +155,21 @@ def test_an_op_runs_one_call_at_a_time_across_threads():
     assert len(bad) == 80 and not any(bad)
 
 
+def test_a_handle_released_inside_its_ops_call_does_not_deadlock():
+    """The garbage collector can run the torch integration's finalizer (a handle's
+    release) in the middle of the same op's call, on the thread that holds its lock."""
+    case, kw, _ = make_case("gru")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+
+    def inside_a_call():
+        with handle._op.lock:
+            handle.release()
+    thread = threading.Thread(target=inside_a_call, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and handle.released
+
+
 def test_limits_are_validated(limits):
     with pytest.raises(ValueError, match="max_entries"):
         limits(max_entries=0)
