@@ -42,9 +42,10 @@ class KernelFamily:
     """The forward and backward kernel templates of one .cuh file, each instantiated as
     <cell, dtype> for every cell and dtype, all compiled into one CuPy RawModule."""
 
-    def __init__(self, source_name, forward, backward):
+    def __init__(self, source_name, forward, backward, options=tuple):
         self.source_name = source_name
         self.templates = (forward, backward)
+        self.options = options   # () -> the family's own NVRTC options, read at each build
         self._module = None
         self._lock = threading.Lock()
 
@@ -63,7 +64,7 @@ class KernelFamily:
     def compile(self, cupy, *options):
         """A new RawModule of every instantiation, built by NVRTC (CuPy caches the binary
         on disk too, and loads it per device on first use)."""
-        return cupy.RawModule(code=self.source(), options=OPTIONS + options,
+        return cupy.RawModule(code=self.source(), options=OPTIONS + self.options() + options,
                               name_expressions=self.all_kernel_names())
 
     def cupy_module(self, cupy):

@@ -263,10 +263,105 @@ __host__ __device__ __forceinline__ half_bits as_half(double v) { return to_half
 template <int P>
 __host__ __device__ __forceinline__ half_bits as_half(half_bits v) { return v; }
 
+// The wide form of stage_half_rows: 16 bytes a load (8 halves or 4 floats) where every
+// row allows it - src and dst aligned, widths and strides whole vectors, as at the design
+// sizes - else it returns false and the scalar form runs. Bit for bit the same result.
+// Why: the backward's staging phase (the exchange's chunks staged by 2-byte loads, 16 in
+// flight a thread, and their products) took 20 of the LSTM backward's 25 us per step on
+// an H200 (bench/results/gpu.md, 2026-11-26); a load here moves 8 of those. Not yet timed
+// on a GPU; -DFUSEDRNN_SCALAR_STAGING (FUSEDRNN_GPU_WIDE_STAGING=0, persistent.py) builds
+// without it, to compare.
+struct alignas(16) Raw16 {
+  unsigned w[4];
+};
+
+__host__ __device__ __forceinline__ Raw16 load_raw16(const void* p) {
+  Raw16 r;
+#ifdef __CUDA_ARCH__
+  const uint4 v = __ldcg(static_cast<const uint4*>(p));   // L2: another block wrote it
+  r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+#else
+  __builtin_memcpy(&r, p, 16);
+#endif
+  return r;
+}
+
+__host__ __device__ __forceinline__ float raw_float(unsigned bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// dst[0..V) = the halves of one Raw16: 8 halves as they are (16 bytes), or 4 floats
+// rounded (8 bytes). (The last argument only picks the form.)
+template <int P>
+__host__ __device__ __forceinline__ void store_raw16(half_bits* dst, const Raw16& r,
+                                                     const half_bits*) {
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<uint4*>(dst) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+#else
+  __builtin_memcpy(dst, &r, 16);
+#endif
+}
+template <int P>
+__host__ __device__ __forceinline__ void store_raw16(half_bits* dst, const Raw16& r,
+                                                     const float*) {
+  unsigned pair[2];
+FUSEDRNN_UNROLL
+  for (int h = 0; h < 2; ++h)
+    pair[h] = unsigned(to_half<P>(raw_float(r.w[2 * h]))) |
+              (unsigned(to_half<P>(raw_float(r.w[2 * h + 1]))) << 16);
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pair[0], pair[1]);
+#else
+  __builtin_memcpy(dst, pair, 8);
+#endif
+}
+
+constexpr int kWideBatch = 8;   // 16-byte loads in flight a thread (32 registers)
+
 template <int P, typename S>
-__host__ __device__ void stage_half_rows(const S* src, int rows, int width, int src_ld,
-                                         int width_pad, half_bits* dst, int ld, int tid,
-                                         int threads) {
+__host__ __device__ bool stage_half_rows_wide(const S* src, int rows, int width, int src_ld,
+                                              int width_pad, half_bits* dst, int ld, int tid,
+                                              int threads) {
+#if defined(FUSEDRNN_SCALAR_STAGING)
+  return false;
+#else
+  constexpr int V = 16 / int(sizeof(S));   // elements a load: 8 halves, 4 floats (2 doubles)
+  typedef unsigned long long address;
+  if (sizeof(S) > 4 || width % V || width_pad % V || src_ld % V || ld % V ||
+      reinterpret_cast<address>(src) % 16 || reinterpret_cast<address>(dst) % (2 * V))
+    return false;
+  const int per_row = width_pad / V, full = width / V, count = rows * per_row;
+  for (int base = tid; base < count; base += kWideBatch * threads) {
+    Raw16 v[kWideBatch];
+FUSEDRNN_UNROLL
+    for (int q = 0; q < kWideBatch; ++q) {
+      const int i = base + q * threads, row = i / per_row, c = i - row * per_row;
+      if (i < count && c < full) {
+        v[q] = load_raw16(src + row * src_ld + c * V);
+      } else {
+        v[q].w[0] = v[q].w[1] = v[q].w[2] = v[q].w[3] = 0u;   // the zero padding
+      }
+    }
+FUSEDRNN_UNROLL
+    for (int q = 0; q < kWideBatch; ++q) {
+      const int i = base + q * threads, row = i / per_row;
+      if (i < count) store_raw16<P>(dst + row * ld + (i - row * per_row) * V, v[q], src);
+    }
+  }
+  return true;
+#endif
+}
+
+template <int P, typename S>
+__host__ __device__ void stage_half_rows_scalar(const S* src, int rows, int width, int src_ld,
+                                                int width_pad, half_bits* dst, int ld, int tid,
+                                                int threads) {
   const int count = rows * width_pad;
   for (int base = tid; base < count; base += kStageBatch * threads) {
     S v[kStageBatch];
@@ -281,6 +376,14 @@ FUSEDRNN_UNROLL
       if (i < count) dst[row * ld + (i - row * width_pad)] = as_half<P>(v[q]);
     }
   }
+}
+
+template <int P, typename S>
+__host__ __device__ void stage_half_rows(const S* src, int rows, int width, int src_ld,
+                                         int width_pad, half_bits* dst, int ld, int tid,
+                                         int threads) {
+  if (!stage_half_rows_wide<P>(src, rows, width, src_ld, width_pad, dst, ld, tid, threads))
+    stage_half_rows_scalar<P>(src, rows, width, src_ld, width_pad, dst, ld, tid, threads);
 }
 
 // Where a product's partial sums are: slice s, output row r (forward: u*G + g; backward:

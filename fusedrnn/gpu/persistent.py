@@ -48,14 +48,25 @@ from .build import KernelFamily
 
 __all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "MAX_TILE", "DeviceLimits", "PersistentPlan",
            "HALF_PRODUCTS", "MmaOperands", "mma_forward_operands", "mma_backward_operands",
-           "tensor_cores_enabled", "product_precision", "op_plan",
+           "tensor_cores_enabled", "product_precision", "op_plan", "build_options",
            "persistent_plan", "persistent_enabled", "tile_setting", "tile_slices", "persistent_forward_args",
            "persistent_backward_args", "PersistentLayer", "cupy_persistent_layer"]
 
 # Not built with CuPy's enable_cooperative_groups, which adds relocatable code and links
 # libcudadevrt from a CUDA toolkit a pip install may lack: the kernels use no
 # cooperative_groups API, only a cooperative launch (_cupy_launcher).
-PERSISTENT_KERNELS = KernelFamily("persistent.cuh", "persistent_forward", "persistent_backward")
+WIDE_STAGING_ENV = "FUSEDRNN_GPU_WIDE_STAGING"
+
+
+def build_options(environ=os.environ):
+    """The persistent kernels' own NVRTC options: FUSEDRNN_GPU_WIDE_STAGING=0 builds them
+    without persistent.cuh's 16-byte staging loads (stage_half_rows_wide), to time them
+    against; read when a process first builds the kernels."""
+    return ("-DFUSEDRNN_SCALAR_STAGING",) if environ.get(WIDE_STAGING_ENV) == "0" else ()
+
+
+PERSISTENT_KERNELS = KernelFamily("persistent.cuh", "persistent_forward", "persistent_backward",
+                                  build_options)
 MAX_THREADS = 512      # persistent.cuh's __launch_bounds__
 MIN_THREADS = 256
 MAX_CHUNK = 512

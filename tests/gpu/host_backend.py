@@ -109,7 +109,7 @@ class HostCudaBackend:
         self.plans = []   # every persistent layer's plan, in order
         self.launches = []
         # half_gemms: the op's large GEMMs through halfgemm.HalfGemm on host_narrow and
-        # host_gemm_ex (GpuBackend.pair_products with FUSEDRNN_GPU_HALF_GEMMS=1)
+        # host_gemm_ex (GpuBackend.pair_products: the half GEMMs, on by default)
         self.half_gemm = halfgemm.HalfGemm(host_narrow, host_gemm_ex) if half_gemms else None
         self.half_products = []   # (out's shape, transpose_a, half) of each
 

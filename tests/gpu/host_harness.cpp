@@ -206,3 +206,34 @@ extern "C" void round_to_half(const float* x, long long n, int precision, unsign
   for (long long i = 0; i < n; ++i)
     out[i] = precision == kProductBF16 ? host_to_bf16(x[i]) : host_to_f16(x[i]);
 }
+
+// persistent.cuh's staging of half rows, every thread of one block in turn: src_bytes 2
+// (half bits, copied) or 4 (floats, rounded by `precision`); wide 1 tries the 16-byte form
+// (returns whether it ran), 0 runs the scalar form (returns 0).
+template <int P, typename S>
+int stage_rows_as(const void* src, int rows, int width, int src_ld, int width_pad,
+                  unsigned short* dst, int ld, int threads, int wide) {
+  const S* s = static_cast<const S*>(src);
+  int ran = 0;
+  for (int tid = 0; tid < threads; ++tid) {
+    if (wide)
+      ran = stage_half_rows_wide<P>(s, rows, width, src_ld, width_pad, dst, ld, tid, threads);
+    else
+      stage_half_rows_scalar<P>(s, rows, width, src_ld, width_pad, dst, ld, tid, threads);
+  }
+  return ran;
+}
+
+extern "C" int stage_rows(const void* src, int src_bytes, int rows, int width, int src_ld,
+                          int width_pad, unsigned short* dst, int ld, int precision,
+                          int threads, int wide) {
+  if (precision == kProductBF16)
+    return src_bytes == 2 ? stage_rows_as<kProductBF16, half_bits>(src, rows, width, src_ld,
+                                                                    width_pad, dst, ld, threads, wide)
+                          : stage_rows_as<kProductBF16, float>(src, rows, width, src_ld,
+                                                                width_pad, dst, ld, threads, wide);
+  return src_bytes == 2 ? stage_rows_as<kProductF16, half_bits>(src, rows, width, src_ld,
+                                                                 width_pad, dst, ld, threads, wide)
+                        : stage_rows_as<kProductF16, float>(src, rows, width, src_ld, width_pad,
+                                                             dst, ld, threads, wide);
+}

@@ -216,3 +216,60 @@ def test_op_plan_applies_the_environment():
     assert (plan.precision, plan.tile, plan.slices) == ("bfloat16", 1, 3)
     plan = persistent.op_plan(4, 800, 20, 4, H100, None, {persistent.TILE_ENV: "4,3"})
     assert (plan.precision, plan.tile, plan.slices) == (None, 4, 3)
+
+
+# ---- persistent.cuh's staging: the 16-byte form against the scalar one ----
+
+def _stage(lib, src, rows, width, src_ld, width_pad, ld, precision, threads, wide, offset=0,
+           dst_offset=0):
+    """stage_half_rows' result (poisoned dst, rows x ld uint16, then 8 more) and whether the
+    wide form ran; `offset` / `dst_offset` elements into src / dst (misalign them)."""
+    dst = np.full(rows * ld + 16, 0xFFFF, np.uint16)
+    ran = lib.stage_rows(ctypes.c_void_p(src.ctypes.data + offset * src.itemsize), src.itemsize,
+                         rows, width, src_ld, width_pad,
+                         ctypes.c_void_p(dst.ctypes.data + 2 * dst_offset), ld, precision,
+                         threads, wide)
+    return dst[dst_offset:dst_offset + rows * ld + 8], ran
+
+
+@pytest.mark.parametrize("precision", [1, 2], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("source", ["float32", "half"])
+@pytest.mark.parametrize("rows,width,src_ld,width_pad,ld,threads", [
+    (20, 800, 800, 800, 808, 512),    # the design size's forward state (H=800)
+    (20, 2672, 3200, 2672, 2680, 512),   # its backward's first chunk of the exchange
+    (3, 40, 48, 48, 56, 96),          # padding columns; 96 threads: batches end mid-row
+    (7, 8, 8, 16, 24, 32),
+])
+def test_wide_staging_equals_the_scalar_form(harness, precision, source, rows, width, src_ld,
+                                             width_pad, ld, threads):
+    rng = np.random.default_rng(rows * width)
+    values = rng.standard_normal(rows * src_ld + 8) * 3
+    values[::7] = np.array([0.0, -0.0, 1e-6, 7e4, -1e-9, 65504.0, 2.0 ** -24])[
+        np.arange(len(values[::7])) % 7]   # (7e4: float16's inf)
+    half = HALF["bfloat16" if precision == 2 else "float16"]
+    with np.errstate(over="ignore"):
+        rounded_bits = values.astype(np.float32).astype(half).view(np.uint16)
+    src = values.astype(np.float32) if source == "float32" else rounded_bits
+    wide, ran = _stage(harness, src, rows, width, src_ld, width_pad, ld, precision, threads, 1)
+    scalar, _ = _stage(harness, src, rows, width, src_ld, width_pad, ld, precision, threads, 0)
+    assert ran == 1
+    assert np.array_equal(wide, scalar)
+    staged = wide[:rows * ld].reshape(rows, ld)
+    want = rounded_bits[:rows * src_ld].reshape(rows, src_ld)[:, :width]
+    assert np.array_equal(staged[:, :width], want)
+    assert not staged[:, width:width_pad].any()
+    assert (staged[:, width_pad:] == 0xFFFF).all() and (wide[rows * ld:] == 0xFFFF).all()
+
+
+@pytest.mark.parametrize("source", ["float32", "half"])
+def test_wide_staging_leaves_what_it_cannot_load_whole_to_the_scalar_form(harness, source):
+    src = np.arange(400, dtype=np.float32 if source == "float32" else np.uint16)
+    V = 16 // src.itemsize
+    good = dict(rows=4, width=2 * V, src_ld=4 * V, width_pad=2 * V, ld=2 * V)
+    assert _stage(harness, src, **good, precision=1, threads=32, wide=1)[1] == 1
+    for change in (dict(width=V + 1, width_pad=2 * V), dict(src_ld=4 * V + 1),
+                   dict(width_pad=2 * V + 1, ld=3 * V), dict(ld=2 * V + 1)):
+        args = dict(good, **change)
+        assert _stage(harness, src, **args, precision=1, threads=32, wide=1)[1] == 0, change
+    assert _stage(harness, src, **good, precision=1, threads=32, wide=1, offset=1)[1] == 0
+    assert _stage(harness, src, **good, precision=1, threads=32, wide=1, dst_offset=1)[1] == 0
