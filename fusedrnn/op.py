@@ -1,6 +1,8 @@
 """The operator: validate -> look up the cached op -> backend forward / backward."""
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -72,6 +74,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
            call.dtype.name, _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)
     with op.lock, backend.device_context(call.data):
+        op.last_stream = backend.follow(op.last_stream)
         reserve = op.take_reserve() if train else None
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
                                  call.options, reserve)
@@ -95,27 +98,37 @@ class TrainingHandle:
     Owns its reserve (states, gate activations and layer inputs of every step) until
     rnn_backward runs or `release()` is called; no other call writes into it. It also
     refers to the forward's data, parameters and states, which must not be modified
-    before backward, and to the forward's op: the backward runs on it from any thread
-    (torch's autograd runs a CUDA backward on its device thread), never on an op that
-    thread's cache built with its own scratch and settings.
+    before backward. The backward runs on the forward's op from any thread (torch's
+    autograd runs a CUDA backward on its device thread), not on one that thread's cache
+    would build with its own scratch and settings; the handle refers to that op weakly,
+    so an op its cache has dropped is freed as before (a backward then builds the op in
+    the calling thread's cache).
     """
 
     def __init__(self, backend, key, call, reserve, op):
         self._backend, self._key, self._call, self._reserve = backend, key, call, reserve
-        self._op = op
+        self._op = weakref.ref(op)
+        self._guard = threading.Lock()   # the reserve's hand-over only; held for nothing else
 
     @property
     def released(self) -> bool:
         return self._reserve is None
 
     def release(self) -> None:
-        """Give the reserve back to the forward's op for reuse (freed with the op if its
-        cache has dropped it); backward is no longer possible."""
-        if self._reserve is not None:
-            with self._op.lock:
-                self._op.give_back_reserve(self._reserve)
-            self._reserve = None
-            thread_cache().trim(keep=self._key)
+        """Give the reserve back to the forward's op for reuse, where that op is alive and
+        not in another thread's call, else leave it to be freed; backward is no longer
+        possible. Never waits: the torch integration's finalizer calls it from the
+        garbage collector, anywhere in any thread."""
+        with self._guard:
+            reserve, self._reserve = self._reserve, None
+        op = self._op()
+        if reserve is None or op is None or not op.lock.acquire(blocking=False):
+            return
+        try:
+            op.give_back_reserve(reserve)
+        finally:
+            op.lock.release()
+        thread_cache().trim(keep=self._key)
 
 
 def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNGradients:
@@ -128,8 +141,7 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
         raise TypeError(f"handle: expected the TrainingHandle of RNN(..., train=True), "
                         f"got {type(handle).__name__}")
     if handle.released:
-        raise RuntimeError("handle: already released (backward ran, or release() was called); "
-                           "run RNN(..., train=True) again, or pass retain=True to backward")
+        raise _released()
     backend, call, cfg = handle._backend, handle._call, handle._call.config
     T, N, D, R = call.seq_len, call.batch, cfg.directions, cfg.recurrent_size
     LD = cfg.num_layers * D
@@ -137,16 +149,28 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     dhy = _head_grad(backend, "dhy", dhy, (LD, N, R), call, call.state_outputs)
     dcy = _head_grad(backend, "dcy", dcy, (LD, N, cfg.state_size), call,
                      call.state_outputs and cfg.cell.has_cell_state)
-    op = handle._op
+    op = handle._op()
+    if op is None:   # the forward's op was dropped: this thread's, as for a forward
+        op = _cached_op(backend, handle._key, call, handle._key[-1])
+    else:
+        thread_cache().touch(handle._key, op)
     with op.lock, backend.device_context(call.data):
+        if handle.released:   # by another thread since the check above
+            raise _released()
+        op.last_stream = backend.follow(op.last_stream)
         g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
                                                    call.state, call.state_cell, call.options,
                                                    dout, dhy, dcy)
-    if not retain:
-        handle.release()
+        if not retain:
+            handle.release()
     thread_cache().trim(keep=handle._key)
     return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,
                         g_c0 if call.state_cell is not None else None)
+
+
+def _released():
+    return RuntimeError("handle: already released (backward ran, or release() was called); "
+                        "run RNN(..., train=True) again, or pass retain=True to backward")
 
 
 def _cached_op(backend, key, call, stored_as=None):

@@ -177,6 +177,9 @@ class RecurrentOp:
         # garbage collector (the torch integration's finalizer) during this op's own call
         # gives its reserve back from inside it.
         self.lock = threading.RLock()
+        # The stream of the op's last call (GpuBackend.follow: a call from another thread,
+        # on another stream, waits for it); None on the CPU.
+        self.last_stream = None
 
     # -- reserves ---------------------------------------------------------------------
     def take_reserve(self):

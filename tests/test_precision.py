@@ -66,20 +66,24 @@ KINK_MARGIN = 0.25
 
 def clear_of_the_kink(case, kw, **ref_kw):
     """`case`, or for relu (the module docstring's kink) the same case with its weights
-    scaled by 1/4, each b_x +1 and -1 on alternate units and b_h 0, so that every
-    pre-activation is dominated by its bias; checked on the float64 reference (ref_kw:
-    its other arguments, lengths or dropout masks)."""
+    scaled by 1/4 and its biases b_x + b_h = +1 and -1 on alternate units (split between
+    the two at random, so each is read), so that every pre-activation is dominated by its
+    bias; checked on the float64 reference (ref_kw: its other arguments, lengths or
+    dropout masks)."""
     if CELLS[kw["mode"]].nonlinearity != "relu":
         return case
     params = np.array(case["parameters"], np.float64)
     layout = fusedrnn.param_layout(mode=kw["mode"], input_size=case["data"].shape[2],
                                    state_size=kw["state_size"], num_layers=kw["num_layers"],
                                    bidirectional=kw.get("bidirectional", False))
-    for (_, _, kind), block in layout.views(params).items():
+    views, rng = layout.views(params), np.random.default_rng(1)
+    for (layer, d, kind), block in views.items():
         if kind.startswith("W"):
             block *= 0.25
-        else:
-            block[:] = np.where(np.arange(block.size) % 2, -1.0, 1.0) if kind == "b_x" else 0
+        elif kind == "b_x":
+            split = rng.uniform(-0.5, 0.5, block.size)
+            block[:] = np.where(np.arange(block.size) % 2, -1.0, 1.0) - split
+            views[(layer, d, "b_h")][:] = split
     case = dict(case, parameters=params.astype(case["parameters"].dtype))
     trace = []
     rnn_reference(**case, **kw, **ref_kw, trace=trace)

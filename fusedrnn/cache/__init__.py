@@ -1,7 +1,8 @@
 """A thread-local, bounded LRU cache of op instances.
 
-Each thread has its own cache, so an op's scratch buffers are only ever used by one
-call at a time. Entries are keyed by everything that shapes a plan (backend, device,
+Each thread has its own cache and builds its own ops. An op's scratch buffers serve one
+call at a time (its lock: a training handle can carry the op into another thread for the
+backward, recurrence.RecurrentOp.lock). Entries are keyed by everything that shapes a plan (backend, device,
 config, T, N, dtype); an entry holds the compiled kernels, its scratch buffers and its
 pool of recycled training reserves. A reserve handed to a training forward is owned by
 that forward's handle until backward returns it, so eviction or a later forward never
@@ -51,6 +52,13 @@ class OpCache:
         self._ops[key] = op
         self.trim(keep=key)
         return op
+
+    def touch(self, key, op):
+        """A call on `op` that did not look it up (a backward through its handle): a hit,
+        and the most recently used, where this thread caches it under `key`."""
+        if self._ops.get(key) is op:
+            self.hits += 1
+            self._ops.move_to_end(key)
 
     def nbytes(self):
         return sum(op.nbytes for op in self._ops.values())

@@ -210,6 +210,11 @@ class CpuBackend:
         return contextlib.nullcontext()
 
     @staticmethod
+    def follow(last_stream):
+        """An op's calls are ordered by its lock alone here (GpuBackend.follow: streams)."""
+        return None
+
+    @staticmethod
     def random(seed):
         return np.random.default_rng(seed)
 

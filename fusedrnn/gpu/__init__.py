@@ -93,6 +93,19 @@ class GpuBackend:
     def device_context(array):
         return array.device  # a cupy.cuda.Device: makes it current inside `with`
 
+    def follow(self, last_stream):
+        """Order an op's call after its last one (under the op's lock): where that ran on
+        another stream (a training handle's backward in another thread, on that thread's
+        stream), the current stream first waits for all that stream holds now - the two
+        calls share the op's scratch. Returns the current stream, the next call's
+        `last_stream`."""
+        stream = self.xp.cuda.get_current_stream()
+        if last_stream is not None and last_stream.ptr != stream.ptr:
+            event = self.xp.cuda.Event(disable_timing=True)
+            event.record(last_stream)
+            stream.wait_event(event)
+        return stream
+
     def random(self, seed):
         return self.xp.random.default_rng(seed)
 

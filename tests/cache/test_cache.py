@@ -1,4 +1,5 @@
 """The thread-local op cache and the per-call training reserve rule."""
+import gc
 import threading
 
 import numpy as np
@@ -162,12 +163,56 @@ def test_a_handle_released_inside_its_ops_call_does_not_deadlock():
     _, handle = fusedrnn.RNN(**case, **kw, train=True)
 
     def inside_a_call():
-        with handle._op.lock:
+        with handle._op().lock:
             handle.release()
     thread = threading.Thread(target=inside_a_call, daemon=True)
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive() and handle.released
+
+
+def test_a_release_never_waits_for_another_threads_call():
+    """While another thread's call holds the op, a release (the garbage collector's, say)
+    returns at once and leaves the reserve to be freed; a backward waiting for the op then
+    finds the handle released and says so."""
+    case, kw, heads = make_case("gru")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    op, busy, done, outcome = handle._op(), threading.Event(), threading.Event(), []
+
+    def another_call():
+        with op.lock:
+            busy.set()
+            done.wait(10)
+    holder = threading.Thread(target=another_call)
+    holder.start()
+    busy.wait(10)
+
+    def backward():
+        try:
+            fusedrnn.rnn_backward(handle, heads["dout"])
+        except RuntimeError as e:
+            outcome.append(str(e))
+    waiting = threading.Thread(target=backward)
+    waiting.start()
+    pooled = len(op._reserve_pool)
+    handle.release()          # returns: the op is busy
+    handle.release()          # and again: nothing left to give
+    assert handle.released and len(op._reserve_pool) == pooled
+    done.set()
+    holder.join()
+    waiting.join(10)
+    assert outcome and "already released" in outcome[0]
+
+
+def test_a_handle_does_not_keep_a_dropped_op_alive():
+    case, kw, heads = make_case("lstm")
+    _, handle = fusedrnn.RNN(**case, **kw, train=True)
+    expected = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
+    fusedrnn.clear_cache()
+    gc.collect()
+    assert handle._op() is None
+    got = fusedrnn.rnn_backward(handle, heads["dout"])   # on this thread's new op
+    assert np.array_equal(got.parameters, expected.parameters)
 
 
 def test_limits_are_validated(limits):

@@ -227,8 +227,10 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
     every output and gradient within test_precision's bound of the float64 op on the same
     rounded inputs; the layers did take the tensor-core plan."""
     from fusedrnn.gpu import persistent
+    from fusedrnn.gpu import halfgemm
     monkeypatch.setenv(persistent.ENV, "1")
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
+    monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "0")   # the products alone (both: below)
     plans = []
     real = persistent.cupy_persistent_layer
 
