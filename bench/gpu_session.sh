@@ -13,11 +13,15 @@
 #                                          # slices (FUSEDRNN_GPU_TILE): parity of the
 #                                          # tiled plans, then the design-doc cases under
 #                                          # each, cuDNN beside; what the plan's rule awaits
-#   bash bench/gpu_session.sh half         # issue 25: the tensor-core products and the
-#                                          # half GEMMs (float16, bfloat16): their GPU
-#                                          # tests, then the design size against cuDNN in
-#                                          # the same dtype, with the float32 products
-#                                          # beside (at most 9 min)
+#   bash bench/gpu_session.sh all-tests    # every gpu-marked test in one run, the half
+#                                          # precision ones included (a fresh machine's
+#                                          # first compiles: ~6 min; at most 9)
+#   bash bench/gpu_session.sh half         # issue 25: the design size in float16 and
+#                                          # bfloat16 against cuDNN in the same dtype
+#                                          # (fusedrnn as by default, with its float32
+#                                          # products, and without its 16-byte staging
+#                                          # loads), after the phases per step with and
+#                                          # without those loads (at most 9 min)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -90,18 +94,23 @@ case "$phase" in
                 | tee "$OUT/tile-$tile.log" | tr '\r' '\n' | grep -E '^\| (lstm|gru)'
         done
         ;;
+    all-tests)   # extra arguments go to pytest (e.g. -k float16)
+        info | tee "$OUT/info.txt"
+        pytest_gpu all-tests.log 540 tests/gpu tests/torch/test_cuda.py "$@"
+        ;;
     half)   # extra arguments go to fusedrnn.benchmark.half (e.g. --modes lstm --rounds 2)
         info | tee "$OUT/info.txt"
-        pytest_gpu half-tests.log 180 tests/gpu/test_parity.py tests/torch/test_cuda.py \
-            -k "float16 or half or autocast"
-        FUSEDRNN_GPU_TENSOR_CORES=1 FUSEDRNN_GPU_HALF_GEMMS=1 timeout -s KILL 90 \
-            $PY -m fusedrnn.benchmark.gpu_phases \
-            --dtype float16 --modes lstm,gru 2>&1 | tee "$OUT/half-phases.log"
-        timeout -s KILL 300 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
+        for wide in 1 0; do   # the phases with and without the 16-byte staging loads
+            echo "== FUSEDRNN_GPU_WIDE_STAGING=$wide"
+            FUSEDRNN_GPU_WIDE_STAGING=$wide timeout -s KILL 70 \
+                $PY -m fusedrnn.benchmark.gpu_phases --dtype float16 --modes lstm,gru 2>&1 \
+                | tee "$OUT/half-phases-wide$wide.log"
+        done
+        timeout -s KILL 390 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
             --modes lstm,gru "$@" 2>&1 | tee "$OUT/half.log"
         ;;
     *)
-        echo "usage: bash bench/gpu_session.sh [tests|bench-quick|bench|grid MODE|tiles|half] [arguments]" >&2
+        echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half] [arguments]" >&2
         exit 2
         ;;
 esac

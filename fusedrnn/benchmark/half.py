@@ -10,7 +10,8 @@ CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn i
 CUDA: cuDNN (torch.nn) in the dtype, fusedrnn as it runs by default (the persistent
 kernels' tensor-core products and the large GEMMs in half; set explicitly), and fusedrnn
 with both turned off (FUSEDRNN_GPU_TENSOR_CORES=0 FUSEDRNN_GPU_HALF_GEMMS=0: the float32
-products and GEMMs on the half data). Prints per round and peer the median of 5 blocks of 3
+products and GEMMs on the half data), and fusedrnn built without its 16-byte staging
+loads (FUSEDRNN_GPU_WIDE_STAGING=0). Prints per round and peer the median of 5 blocks of 3
 back-to-back calls (on CUDA each block ends with a synchronize), and the ratio of the
 medians over rounds (torch's time / fusedrnn's: above 1, fusedrnn is faster).
 """
@@ -34,7 +35,10 @@ PEERS = {
                                                    "FUSEDRNN_GPU_HALF_GEMMS": "1"}),
              "fusedrnn-f32-products": ("fusedrnn.torch", None,
                                        {"FUSEDRNN_GPU_TENSOR_CORES": "0",
-                                        "FUSEDRNN_GPU_HALF_GEMMS": "0"})},
+                                        "FUSEDRNN_GPU_HALF_GEMMS": "0"}),
+             # the staging's 2-byte loads (persistent.cuh's stage_half_rows_wide untimed)
+             "fusedrnn-scalar-staging": ("fusedrnn.torch", None,
+                                         {"FUSEDRNN_GPU_WIDE_STAGING": "0"})},
 }
 
 
