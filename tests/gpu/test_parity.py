@@ -173,6 +173,33 @@ def test_features_gpu_equals_cpu(mode, names, D, dtype):
     _assert_gpu_equals_cpu(*_with_features(mode, names, D, dtype), dtype)
 
 
+@pytest.mark.parametrize("mode, names", VALID, ids=[f"{m}-{'+'.join(n)}" for m, n in VALID])
+def test_float16_features_within_the_half_bound(mode, names):
+    """Lengths, clipping and projection in float16 as the GPU runs half data by default
+    (the tensor-core products and the half GEMMs), two layers, both directions: every
+    output and gradient within test_precision's bound of the float64 op on the same
+    rounded inputs. (Dropout in half: the CPU's test_precision; on the GPU its masks come
+    from CuPy's generator, test_dropout_on_gpu_is_reproducible_and_uses_its_masks.)"""
+    from test_precision import assert_within, clear_of_the_kink, longest_product, rounded
+    case, kw, heads = _with_features(mode, names, 2, np.float64, seed=6)
+    lengths = case.pop("sequence_length", None)
+    case = clear_of_the_kink(case, kw, sequence_length=lengths)
+    half, exact = rounded(case, np.float16)
+    half_heads, exact_heads = rounded(heads, np.float16)
+    if not CELLS[mode].has_cell_state:
+        half_heads["dcy"] = exact_heads["dcy"] = None
+    on_gpu = dict(_on_gpu(half), sequence_length=None if lengths is None else cupy.asarray(lengths))
+    got_outs, got_grads = _run(on_gpu, kw, _on_gpu(half_heads))
+    want_outs, want_grads = _run(dict(exact, sequence_length=lengths), kw, exact_heads)
+    K = longest_product(kw, 5)
+    names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
+                                                   "dstate_cell")
+    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_within(cupy.asnumpy(a), b, np.float16, K, name)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
     case, kw, heads = make_case(mode, T=6, N=4, I=5, H=7, L=3, D=2, seed=3)

@@ -43,7 +43,7 @@ def test_module_on_cuda_matches_torch_nn_on_cuda(mode):
 @pytest.mark.parametrize("tensor_cores, half_gemms", [("0", "0"), ("1", "0"), ("1", "1")],
                          ids=["float32-products", "tensor-cores", "tensor-cores+half-gemms"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])   # (relu's kink: test_parity)
 def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, half_gemms,
                                                    monkeypatch):
     """float16 (CuPy's half path) and bfloat16 (float32 through torch's casts, the op told
