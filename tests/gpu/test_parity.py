@@ -180,24 +180,8 @@ def test_float16_features_within_the_half_bound(mode, names):
     output and gradient within test_precision's bound of the float64 op on the same
     rounded inputs. (Dropout in half: the CPU's test_precision; on the GPU its masks come
     from CuPy's generator, test_dropout_on_gpu_is_reproducible_and_uses_its_masks.)"""
-    from test_precision import assert_within, clear_of_the_kink, longest_product, rounded
-    case, kw, heads = _with_features(mode, names, 2, np.float64, seed=6)
-    lengths = case.pop("sequence_length", None)
-    case = clear_of_the_kink(case, kw, sequence_length=lengths)
-    half, exact = rounded(case, np.float16)
-    half_heads, exact_heads = rounded(heads, np.float16)
-    if not CELLS[mode].has_cell_state:
-        half_heads["dcy"] = exact_heads["dcy"] = None
-    on_gpu = dict(_on_gpu(half), sequence_length=None if lengths is None else cupy.asarray(lengths))
-    got_outs, got_grads = _run(on_gpu, kw, _on_gpu(half_heads))
-    want_outs, want_grads = _run(dict(exact, sequence_length=lengths), kw, exact_heads)
-    K = longest_product(kw, 5)
-    names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
-                                                   "dstate_cell")
-    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert_within(cupy.asnumpy(a), b, np.float16, K, name)
+    _assert_float16_case_within_the_half_bound(*_with_features(mode, names, 2, np.float64,
+                                                               seed=6))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -271,18 +255,26 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
 
 
 def _assert_float16_within_the_half_bound(mode, L, D, seed):
+    _assert_float16_case_within_the_half_bound(
+        *make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=seed))
+
+
+def _assert_float16_case_within_the_half_bound(case, kw, heads):
     """CuPy float16 through the op as the environment sets it up: every output and
-    gradient within test_precision's bound of the float64 op on the same rounded inputs."""
+    gradient within test_precision's bound of the float64 op on the same rounded inputs
+    (a case's sequence_length goes to both as it is)."""
     from test_precision import assert_within, clear_of_the_kink, longest_product, rounded
-    case, kw, heads = make_case(mode, T=9, N=20, I=6, H=40, L=L, D=D, seed=seed)
-    case = clear_of_the_kink(case, kw)
+    case = dict(case)
+    lengths = case.pop("sequence_length", None)
+    case = clear_of_the_kink(case, kw, sequence_length=lengths)
     half, exact = rounded(case, np.float16)
     half_heads, exact_heads = rounded(heads, np.float16)
-    if not CELLS[mode].has_cell_state:
+    if not CELLS[kw["mode"]].has_cell_state:
         half_heads["dcy"] = exact_heads["dcy"] = None
-    got_outs, got_grads = _run(_on_gpu(half), kw, _on_gpu(half_heads))
-    want_outs, want_grads = _run(exact, kw, exact_heads)
-    K = longest_product(kw, 6)
+    on_gpu = dict(_on_gpu(half), sequence_length=None if lengths is None else cupy.asarray(lengths))
+    got_outs, got_grads = _run(on_gpu, kw, _on_gpu(half_heads))
+    want_outs, want_grads = _run(dict(exact, sequence_length=lengths), kw, exact_heads)
+    K = longest_product(kw, case["data"].shape[2])
     names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
                                                    "dstate_cell")
     for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
