@@ -155,10 +155,11 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
     else:
         thread_cache().touch(handle._key, op)
     with op.lock, backend.device_context(call.data):
-        if handle.released:   # by another thread since the check above
+        reserve = handle._reserve   # once: another thread may release the handle meanwhile
+        if reserve is None:         # (its release cannot pool the reserve while we hold op)
             raise _released()
         op.last_stream = backend.follow(op.last_stream)
-        g_data, g_params, g_h0, g_c0 = op.backward(handle._reserve, call.data, call.parameters,
+        g_data, g_params, g_h0, g_c0 = op.backward(reserve, call.data, call.parameters,
                                                    call.state, call.state_cell, call.options,
                                                    dout, dhy, dcy)
         if not retain:

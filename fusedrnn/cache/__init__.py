@@ -1,12 +1,12 @@
 """A thread-local, bounded LRU cache of op instances.
 
 Each thread has its own cache and builds its own ops. An op's scratch buffers serve one
-call at a time (its lock: a training handle can carry the op into another thread for the
-backward, recurrence.RecurrentOp.lock). Entries are keyed by everything that shapes a plan (backend, device,
-config, T, N, dtype); an entry holds the compiled kernels, its scratch buffers and its
-pool of recycled training reserves. A reserve handed to a training forward is owned by
-that forward's handle until backward returns it, so eviction or a later forward never
-touches it.
+call at a time (recurrence.RecurrentOp.lock: a training handle can carry the op into
+another thread for the backward). Entries are keyed by everything that shapes a plan
+(backend, device, config, T, N, dtype); an entry holds the compiled kernels, its scratch
+buffers and its pool of recycled training reserves. A reserve handed to a training
+forward is owned by that forward's handle until backward returns it, so eviction or a
+later forward never touches it.
 
 Limits (per thread): at most `max_entries` ops and `max_bytes` of their buffers; the
 least recently used ops are dropped first, after every call (an op grows on a hit too:
