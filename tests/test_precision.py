@@ -85,12 +85,18 @@ def clear_of_the_kink(case, kw, **ref_kw):
             block[:] = np.where(np.arange(block.size) % 2, -1.0, 1.0) - split
             views[(layer, d, "b_h")][:] = split
     case = dict(case, parameters=params.astype(case["parameters"].dtype))
-    trace = []   # (kw may hold the op's feature keywords: relu's reference needs none)
-    core = {k: kw[k] for k in ("mode", "state_size", "num_layers", "bidirectional") if k in kw}
-    rnn_reference(**case, **core, **ref_kw, trace=trace)
-    closest = min(np.abs(a).min() for a in trace)
+    closest = kink_clearance(case, kw, **ref_kw)
     assert closest >= KINK_MARGIN, f"a pre-activation {closest:.3g} from relu's kink"
     return case
+
+
+def kink_clearance(case, kw, **ref_kw):
+    """The smallest |pre-activation| of relu in the float64 reference (inf for cells
+    without a kink); kw may hold the op's feature keywords, the reference needs none."""
+    trace = []
+    core = {k: kw[k] for k in ("mode", "state_size", "num_layers", "bidirectional") if k in kw}
+    rnn_reference(**case, **core, **ref_kw, trace=trace)
+    return min((np.abs(a).min() for a in trace), default=np.inf)
 
 
 def longest_product(kw, I):

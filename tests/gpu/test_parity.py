@@ -201,6 +201,29 @@ def test_dropout_on_gpu_is_reproducible_and_uses_its_masks(mode):
     assert rel_err(cupy.asnumpy(first[0]), ref_out) <= 1e-12
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_dropout_on_gpu_within_the_half_bound(mode):
+    """Dropout in float16 as the GPU runs half data by default: the training forward's
+    outputs within test_precision's bound of the float64 reference given the masks the
+    op drew (CuPy's generator: the CPU cannot draw the same ones, so the gradients under
+    dropout are the float32 test's and the CPU's test_precision's)."""
+    from reference import rnn_reference
+    from test_precision import (assert_within, clear_of_the_kink, kink_clearance,
+                                longest_product, rounded)
+    case, kw, _ = make_case(mode, T=6, N=4, I=5, H=24, L=2, D=2, seed=8)
+    half, exact = rounded(clear_of_the_kink(case, kw), np.float16)
+    outs = fusedrnn.RNN(**_on_gpu(half), **kw, p=0.4, train=True, seed=5, state_outputs=True)
+    masks = [cupy.asnumpy(m).astype(np.float64) for m in outs[-1]._reserve.masks]
+    assert len(masks) == 1 and 0.4 < (masks[0] != 0).mean() < 0.8
+    # the masks scale layer 1's inputs: relu still clear of its kink (0.18 at the least
+    # over 60 of the CPU's draws at this size; the products move it by ~4e-4)
+    assert kink_clearance(exact, kw, dropout_masks=masks) >= 2.0 ** -4
+    want = rnn_reference(**exact, **kw, dropout_masks=masks)
+    for name, a, b in zip(("out", "hy", "cy"), outs[:-1], want):
+        if b is not None:
+            assert_within(cupy.asnumpy(a), b, np.float16, longest_product(kw, 5), name)
+
+
 @pytest.mark.parametrize("path", ["0", "1"], ids=["per-step", "persistent"])
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
