@@ -38,14 +38,23 @@ NEXT = (1, 0)   # row offset of h_t
 # `opts` below is a config.CallOptions (validate builds it; config: why it lives there).
 
 
+_CARVE_ALIGN = 64   # bytes: each view starts on a cache line (and so 16-byte aligned, as
+                    # the GPU's 16-byte staging loads need: persistent.cuh)
+
+
 def _carve(xp, dtype, shapes):
-    """One allocation split into named C-contiguous views; returns (namespace, nbytes)."""
-    sizes = {name: _prod(shape) for name, shape in shapes.items()}
-    flat = xp.empty(sum(sizes.values()), dtype=dtype)
-    views, offset = {}, 0
+    """One allocation split into named C-contiguous views, each starting _CARVE_ALIGN
+    bytes into an aligned allocation; returns (namespace, nbytes)."""
+    step = max(1, _CARVE_ALIGN // np.dtype(dtype).itemsize)
+    starts, offset = {}, 0
     for name, shape in shapes.items():
-        views[name] = flat[offset:offset + sizes[name]].reshape(shape)
-        offset += sizes[name]
+        starts[name] = offset
+        offset += -(-_prod(shape) // step) * step
+    flat = xp.empty(offset + step, dtype=dtype)   # room to move the start to a line
+    skip = (-(flat.data.ptr if hasattr(flat.data, "ptr") else flat.ctypes.data)
+            // np.dtype(dtype).itemsize) % step
+    views = {name: flat[skip + starts[name]:skip + starts[name] + _prod(shape)].reshape(shape)
+             for name, shape in shapes.items()}
     return SimpleNamespace(**views), flat.nbytes
 
 

@@ -94,3 +94,18 @@ def test_fused_driver_scratch_is_carved_for_the_layer_alone(mode, T):
     assert set(both) == set(layer_shapes) | set(op.driver.layer.backward_scratch(op.config, 3))
     assert {"wpack_rows", "wpairs_rows", "dg16"} <= set(both)   # (empty but for bf16)
     assert rel_err(out, rnn_reference(**case, **kw)[0]) <= 1e-10
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16])
+def test_carved_views_start_on_cache_lines(dtype):
+    """Every view of one carving starts 64-byte aligned whatever the sizes before it
+    (the GPU's 16-byte staging loads need 16: persistent.cuh's stage_half_rows_wide), and
+    the views do not overlap."""
+    from fusedrnn.recurrence import _carve
+    views, nbytes = _carve(np, dtype, {"a": (3, 5), "b": (7,), "empty": (0, 4), "c": (2, 9)})
+    for name in ("a", "b", "c"):
+        view = getattr(views, name)
+        assert view.ctypes.data % 64 == 0 and view.flags.c_contiguous, name
+        view[...] = {"a": 1, "b": 2, "c": 3}[name]
+    assert (views.a == 1).all() and (views.b == 2).all() and (views.c == 3).all()
+    assert views.empty.shape == (0, 4) and nbytes >= (15 + 7 + 18) * np.dtype(dtype).itemsize

@@ -88,7 +88,9 @@ def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
 @pytest.mark.parametrize("arch", TENSOR_CORE_ARCHS)
 def test_persistent_kernels_hold_both_tensor_core_products(arch, tmp_path):
     """Each float instantiation carries mma.sync m16n8k16 for float16 and for bfloat16
-    operands (tensorcore.cuh), which ptxas builds for the arch (the tests above)."""
+    operands (tensorcore.cuh), which ptxas builds for the arch (the tests above), and the
+    staging's 16-byte forms: L2 loads of four words, and (the backward's exchange) shared
+    stores of four."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         _missing("nvcc")
@@ -106,8 +108,12 @@ def test_persistent_kernels_hold_both_tensor_core_products(arch, tmp_path):
     bodies = re.split(r"\n\.(?:visible|weak) \.entry ", ptx)[1:]
     assert len(bodies) == len(names) == 8
     for body in bodies:
+        entry = body.split("(", 1)[0]   # the mangled name
         for operands in ("f16.f16", "bf16.bf16"):
             assert f"mma.sync.aligned.m16n8k16.row.col.f32.{operands}.f32" in body
+        assert "ld.global.cg.v4.u32" in body, entry
+        if "persistent_backward" in entry:
+            assert "st.shared.v4.b32" in body, entry
 
 
 def _load_nvrtc():
