@@ -82,6 +82,9 @@ class FusedLayer(Protocol):
     reads_weights: bool       # True: project(), forward() and forward_single() also take
                               # W_x and W_h in the data's own dtype (the parameters in
                               # place; biases float32)
+    fuses_input: bool         # True: at T > 1 forward() multiplies W_x x_t itself (from
+                              # input_pairs(x2d, scratch) and W_x, keywords x_pairs and
+                              # w_x) and takes no xproj; project() is not called
 
     def forward_scratch(self, config, steps, batch) -> dict:
         """{name: shape} of scratch in the data's dtype, carved once per op; forward and
@@ -91,10 +94,11 @@ class FusedLayer(Protocol):
         """{name: shape} backward needs beyond forward_scratch's; backward receives both."""
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
-                clip_hi, clip_flags) -> None:
+                clip_hi, clip_flags, x_pairs=None, w_x=None) -> None:
         """Direction d of one layer: xproj (T, N, D*G*H) holds W_x x_t of both directions
         (no bias); hs/cs hold the initial state; writes hs, cs, y's columns of d, and
-        saved (the training record) unless it is (0, 0, 0, 0)."""
+        saved (the training record) unless it is (0, 0, 0, 0). Where fuses_input: xproj
+        None, x_pairs and w_x given instead."""
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags) -> None:
@@ -158,8 +162,9 @@ class RecurrentOp:
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
+        fuses_input = layer is not None and layer.fuses_input and not self.driver.single
         self.scratch, self.nbytes = _carve(self.xp, dtype, {
-            "xproj": (T * N, D * GH),
+            "xproj": (0 if fuses_input else T * N, D * GH),
             "wx_packed": (D * GH * max_in if D > 1 else 0,),
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
             "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
@@ -648,13 +653,18 @@ class FusedDriver:
         D, GH = cfg.directions, cfg.gate_rows
         record = saved if saved is not None else self._no_record
         scratch = self._forward_views()
-        if not self.single:   # the T=1 form projects its input itself
+        fuses = fused.fuses_input and not self.single
+        x_pairs, xproj = None, None
+        if fuses:   # the loop multiplies W_x x_t itself
+            x_pairs = fused.input_pairs(x.reshape(T * N, -1), scratch)
+        elif not self.single:   # the T=1 form projects its input itself
             if fused.projects_input:   # its own GEMM (cpu/lowlevel: why)
                 w_xs = [lay.view(params, layer, d, "W_x") for d in range(D)]
                 fused.project(x.reshape(T * N, -1), w_xs, op.scratch.xproj, scratch)
             else:
                 op.project_input(layer, x, params)
-        xproj = op.scratch.xproj.reshape(T, N, D * GH)
+        if not fuses:
+            xproj = op.scratch.xproj.reshape(T, N, D * GH)
         for d in range(D):
             op.initial_state(layer, d, h0, c0, hs, cs)
             w_h = lay.view(params, layer, d, "W_h")
@@ -664,6 +674,10 @@ class FusedDriver:
                 fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
                                      w_h, b_x, b_h, hs, cs, y, record, scratch,
                                      *self._tail(opts))
+            elif fuses:
+                fused.forward(None, d, w_h, b_x, b_h, hs, cs, y, record, scratch,
+                              *self._tail(opts), x_pairs=x_pairs,
+                              w_x=lay.view(params, layer, d, "W_x"))
             else:
                 fused.forward(xproj, d, w_h, b_x, b_h, hs, cs, y, record, scratch,
                               *self._tail(opts))

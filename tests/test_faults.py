@@ -44,6 +44,7 @@ def fault(monkeypatch):
                                fuses_single_step=layer.fuses_single_step,
                                reads_storage=layer.reads_storage,
                                reads_weights=layer.reads_weights,
+                               fuses_input=layer.fuses_input, input_pairs=layer.input_pairs,
                                forward=wrap(layer.forward),
                                forward_single=wrap(layer.forward_single),
                                backward=wrap(layer.backward))

@@ -6,7 +6,10 @@ round.
     python -m fusedrnn.benchmark.half [--rounds 2] [--modes lstm,gru,rnn_tanh]
     python -m fusedrnn.benchmark.half --device cuda --dtypes float16,bfloat16 --modes lstm,gru
 
-CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32.
+CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32;
+and the ceiling: oneDNN's GEMM in the dtype (torch's mkldnn Linear, 2048 x 2048 x 2048, the
+median of 7 blocks of 3) in a process of its own, printed as the time the call's FLOPs would
+take at that rate, and each peer's fraction of it ("of the ceiling").
 CUDA: cuDNN (torch.nn) in the dtype, fusedrnn as it runs by default (the persistent
 kernels' tensor-core products and the large GEMMs in half; set explicitly), and fusedrnn
 with both turned off (FUSEDRNN_GPU_TENSOR_CORES=0 FUSEDRNN_GPU_HALF_GEMMS=0: the float32
@@ -29,7 +32,8 @@ SHAPE = dict(T=300, N=20, I=800, H=800)
 # peer: (module package, dtype: None for the run's, environment)
 PEERS = {
     "cpu": {"torch": ("torch.nn", None, {}), "fusedrnn": ("fusedrnn.torch", None, {}),
-            "fusedrnn-f32": ("fusedrnn.torch", "float32", {})},
+            "fusedrnn-f32": ("fusedrnn.torch", "float32", {}),
+            "ceiling": (None, None, {})},
     "cuda": {"torch": ("torch.nn", None, {}),
              "fusedrnn": ("fusedrnn.torch", None, {"FUSEDRNN_GPU_TENSOR_CORES": "1",
                                                    "FUSEDRNN_GPU_HALF_GEMMS": "1"}),
@@ -42,12 +46,33 @@ PEERS = {
 }
 
 
+def _flops(mode, train):
+    T, N, I, H = SHAPE["T"], SHAPE["N"], SHAPE["I"], SHAPE["H"]
+    return 2 * T * N * CELLS[mode].gates * H * (I + H) * (3 if train else 1)
+
+
+def _ceiling(mode, train, dtype):
+    """Seconds the call's FLOPs take at oneDNN's GEMM rate in `dtype` (module docstring)."""
+    import torch
+    import torch.utils.mkldnn
+    n = 2048
+    dtype = getattr(torch, dtype)
+    linear = torch.utils.mkldnn.to_mkldnn(torch.nn.Linear(n, n, bias=False).to(dtype).eval(),
+                                          dtype)
+    a = torch.randn(n, n).to(dtype).to_mkldnn()
+    with torch.no_grad():
+        seconds = seconds_per_call(lambda: linear(a), blocks=7)
+    return _flops(mode, train) * seconds / (2 * n ** 3)
+
+
 def _one(mode, peer, train, dtype, device):
     """Seconds per call of one peer (runs in its own process)."""
     module_name, own_dtype, environ = PEERS[device][peer]
     os.environ.update(environ)
     import torch
     torch.set_num_threads(2)
+    if peer == "ceiling":
+        return _ceiling(mode, train, dtype)
     torch.manual_seed(0)
     cell = CELLS[mode]
     import fusedrnn.torch as ft
@@ -87,16 +112,20 @@ def main(argv=None):
     print(f"T={T} N={N} I={I} H={H}, {args.device}{threads}; ms per call (GFLOP/s)")
     for dtype in dtypes.split(","):
         for mode in args.modes.split(","):
-            flops = 2 * T * N * CELLS[mode].gates * H * (I + H)
             for phase in ("infer", "train"):
                 times = alternate("fusedrnn.benchmark.half", PEERS[args.device], args.rounds,
                                   mode, phase, dtype, args.device)
-                work = flops * (3 if phase == "train" else 1)
+                work = _flops(mode, phase == "train")
                 cells = [f"{peer} " + " ".join(f"{t * 1e3:.2f}" for t in ts) +
                          f" ({work / np.median(ts) / 1e9:.0f})" for peer, ts in times.items()]
                 ratio = np.median(times["torch"]) / np.median(times["fusedrnn"])
-                print(f"{dtype:8s} {mode:8s} {phase}: " + "; ".join(cells) +
-                      f"; torch/fusedrnn {ratio:.2f}", flush=True)
+                line = f"{dtype:8s} {mode:8s} {phase}: " + "; ".join(cells) + \
+                    f"; torch/fusedrnn {ratio:.2f}"
+                if "ceiling" in times:
+                    line += "; of the ceiling: " + ", ".join(
+                        f"{peer} {np.median(times['ceiling']) / np.median(ts):.2f}"
+                        for peer, ts in times.items() if peer != "ceiling")
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ out, compiles each in this process (no disk cache), and times FusedLayer.forward
 Loop timing, as in fusedrnn/benchmark/runner.py: each turn makes one untimed warm-in
 call (the previous variant's threads wind down on its time), then --block calls back to
 back, and reports their mean. Only the loop is timed, not the
-projection or the GEMMs around it. A variant's results are wrong by design: compare
+projection or the GEMMs around it (the bfloat16 layer multiplies W_x x_t inside its
+loop: FusedLayer.fuses_input; there the loop's products are both, and no_gemm cuts both). A variant's results are wrong by design: compare
 times only. Variants:
     base       the kernel as it is
     no_cell    the cell loop runs zero times (the row moves and the GEMMs stay)
@@ -44,6 +45,7 @@ _CELL_BACKWARD = ("                            for u in range(lanes):      # the
 _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
 _GEMM_BF16 = "                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)\n"
+_GEMM_BF16_X = "                    if bf16 and fuses_x:   # W_x x_t into the X groups, as W_h h below\n"
 _GEMM_BACKWARD = ("                    if step > 0 and bf16:   # the same product from bfloat16 pairs\n",
                   "                    elif step > 0:\n")
 _SAMPLES_BACKWARD = ("                        for n in range(N):\n"
@@ -59,7 +61,8 @@ CUTS = {
         "base": [],
         "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
         "no_gemm": [(_GEMM, _GEMM.replace("elif not single_step:", "elif False:")),
-                    (_GEMM_BF16, _GEMM_BF16.replace("if bf16:", "if False:"))],
+                    (_GEMM_BF16, _GEMM_BF16.replace("if bf16:", "if False:")),
+                    (_GEMM_BF16_X, _GEMM_BF16_X.replace("if bf16 and fuses_x:", "if False:"))],
         "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
     },
     "backward": {

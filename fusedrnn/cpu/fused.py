@@ -146,7 +146,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                       clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16,
-                      wpairs, counters, workers):
+                      wpairs, x16, wxpairs, counters, workers):
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
@@ -159,6 +159,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         like = zero_like(hs)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         kp = wpairs.shape[2]                                # bf16: pairs of h per row
+        # bf16 with x16: W_x x_t multiplied here too, from the input's pairs (no xproj)
+        fuses_x, kpx = x16.shape[0] != 0, x16.shape[1]
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
         # the loop serially (measured: every fused call 2.5x slower). Guarded by
         # tests/cpu/test_parallel_regions.py.
@@ -186,6 +188,19 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         break
                     done += 1
                     first = q * pair
+                    if bf16 and fuses_x:   # W_x x_t into the X groups, as W_h h below
+                        x_rows = x16.ctypes.data + t * N * kpx * 4
+                        if pair == 2 and first + 1 < blocks:
+                            panel_gemm_bf16(x_rows, kpx, N, wxpairs[first, 0].ctypes.data,
+                                            kpx * PANEL, 2,
+                                            tiles[first].ctypes.data + _X * PANEL * itemsize,
+                                            row, kpx)
+                            _hand_over(tiles, first, N, _X, like)
+                        else:
+                            panel_gemm_bf16(x_rows, kpx, N, wxpairs[first, 0].ctypes.data,
+                                            kpx * PANEL, gates,
+                                            tiles[first].ctypes.data + _X * PANEL * itemsize,
+                                            row, kpx)
                     if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)
                         h16_prev = h16.ctypes.data + (d * (T + 1) + prev) * N * kp * 4
                         if pair == 2 and first + 1 < blocks:
@@ -258,7 +273,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 x_g = trow + (_X + g) * PANEL * itemsize
                                 unit = g * H + j0
                                 row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width, like)
-                                x_in = x_g if single_step else xproj.ctypes.data + (
+                                x_in = x_g if single_step or fuses_x else xproj.ctypes.data + (
                                     sample * xproj.shape[2] + x_col + unit) * itemsize
                                 row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
                             row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
@@ -518,6 +533,13 @@ class FusedLayer:
         # numpy's dgemm was faster.
         # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
         self.projects_input = own_gemm(self.dtype)
+        # bf16 at T > 1: no projection before the loop; each block multiplies W_x x_t too,
+        # from the input's bfloat16 pairs and this direction's W_x packed by block as W_h
+        # is, into its tile's X groups. The products are as fast at N rows as at T*N, and
+        # the loop no longer reads W_x x_t back from a (T*N, D*G*H) float32 array written
+        # by a GEMM before it (77 MB at the design size, past L3: the op carves none).
+        # Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
+        self.fuses_input = bf16
         self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
                                             self.dtype, False, bf16=bf16)
         self._forward_single = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
@@ -530,6 +552,7 @@ class FusedLayer:
         self._no_wpack = np.empty((0, 0, 0, 0), self.dtype)
         self._no_h16 = np.empty((0, 0, 0, 0), np.uint16)
         self._no_pairs = np.empty((0, 0, 0, 0), np.uint32)
+        self._no_x16 = np.empty((0, 0), np.uint32)
         self._no_rows = np.empty((1, 0), np.uint32)   # (w_rows: one row, as it is indexed)
         self._backward, self._backward_serial = (
             _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel,
@@ -556,7 +579,9 @@ class FusedLayer:
                 "wpairs": (panels(H) if pairs else 0, config.cell.gates, kp_h, PANEL),
                 "h16": (D if pairs else 0, steps + 1, batch, kp_h),
                 "x16": (steps * batch if pairs else 0, kp_x),
-                "wx_pairs": (panels(D * GH) * kp_x * PANEL if pairs else 0,),
+                # the projection's W_x of both directions; fusing, one direction's by block
+                "wx_pairs": (max(panels(D * GH), panels(H) * config.cell.gates) * kp_x * PANEL
+                             if pairs else 0,),
                 # padded to whole 16-sample panels: forward_single stores 16 rows at once
                 "tiles": (panels(H), columns * PANEL if single else batch,
                           TILE_GROUPS * PANEL),
@@ -593,13 +618,7 @@ class FusedLayer:
         K = x2d.shape[1]
         if self.bf16:
             kp = -(-K // 2)
-            if x2d.dtype.name == "bfloat16" and K % 2 == 0:
-                a = np.ascontiguousarray(x2d).view(np.uint32)
-            else:
-                a16 = scratch.x16.reshape(-1)[:x2d.shape[0] * kp].view(np.uint16).reshape(
-                    x2d.shape[0], 2 * kp)
-                round_rows(x2d.astype(np.float32, copy=False), a16)
-                a = a16.view(np.uint32)
+            a = self.input_pairs(x2d, scratch)
             wpairs = scratch.wx_pairs[:panels(out.shape[1]) * kp * PANEL].view(
                 np.uint32).reshape(-1, kp, PANEL)
             pack_input_pairs([_bits_or_values(w) for w in w_xs], wpairs)
@@ -614,16 +633,43 @@ class FusedLayer:
             return
         project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
 
+    def input_pairs(self, x2d, scratch):
+        """(bf16) The layer input x2d (M, K) as rows of bfloat16 pairs (M, ceil(K/2))
+        uint32: the bfloat16 data itself where K is even (read in place), else rounded
+        into scratch.x16 (float32 values, or bfloat16 with an odd K padded)."""
+        M, K = x2d.shape
+        if x2d.dtype.name == "bfloat16" and K % 2 == 0:
+            return np.ascontiguousarray(x2d).view(np.uint32)
+        kp = -(-K // 2)
+        a16 = scratch.x16.reshape(-1)[:M * kp].view(np.uint16).reshape(M, 2 * kp)
+        round_rows(x2d.astype(np.float32, copy=False), a16)
+        return a16.view(np.uint32)
+
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
-                clip_lo, clip_hi, clip_flags):
+                clip_lo, clip_hi, clip_flags, x_pairs=None, w_x=None):
         """layer_forward (module docstring) for direction d, W_h (G*H, H) packed first
-        into scratch.wpack; scratch.tiles as carved for T > 1."""
+        into scratch.wpack; scratch.tiles as carved for T > 1. Where the layer
+        fuses_input, xproj is None and the loop multiplies W_x x_t itself: x_pairs
+        (T*N, ceil(K/2)) uint32, input_pairs's, shared by the directions; w_x (G*H, K)
+        this direction's W_x (bfloat16 or float32 values), packed into scratch.wx_pairs."""
         wpack, tiles = (scratch.wpairs if self.bf16 else scratch.wpack), scratch.tiles
         if wpack.shape[0] != tiles.shape[0] or wpack.shape[0] != panels(hs.shape[3]):
             raise ValueError(f"FusedLayer.forward: wpack {wpack.shape} and tiles "
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
-        h16, wpairs = self._no_h16, self._no_pairs
+        h16, wpairs, x16, wxpairs = self._no_h16, self._no_pairs, self._no_x16, self._no_pairs
+        if (x_pairs is not None) != self.fuses_input or (w_x is not None) != self.fuses_input:
+            raise ValueError(f"FusedLayer.forward: x_pairs and w_x are "
+                             f"{'required' if self.fuses_input else 'not taken'} here")
+        if self.fuses_input:
+            x16, kpx = x_pairs, x_pairs.shape[1]
+            if x16.shape[0] != (hs.shape[1] - 1) * hs.shape[2] or kpx != -(-w_x.shape[1] // 2):
+                raise ValueError(f"FusedLayer.forward: x_pairs {x16.shape} do not fit "
+                                 f"T*N={(hs.shape[1] - 1) * hs.shape[2]} and W_x {w_x.shape}")
+            size = wpack.shape[0] * self.gates * kpx * PANEL
+            wxpairs = pack_recurrent_pairs(_bits_or_values(w_x), self.gates, scratch.wx_pairs[
+                :size].view(np.uint32).reshape(wpack.shape[0], self.gates, kpx, PANEL))
+            xproj = self._no_xproj
         if self.bf16:
             wpairs = pack_recurrent_pairs(_bits_or_values(w_h), self.gates,
                                           wpack.view(np.uint32))
@@ -641,7 +687,7 @@ class FusedLayer:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
                           self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels, self._no_rows, h16, wpairs, *share)
+                          self._no_panels, self._no_rows, h16, wpairs, x16, wxpairs, *share)
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: in the layer's dtype, or with
@@ -688,7 +734,8 @@ class FusedLayer:
             kernel(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                    scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
                    w_x, w_h, scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
-                   h_cols, w_rows, self._no_h16, self._no_pairs, *share)
+                   h_cols, w_rows, self._no_h16, self._no_pairs, self._no_x16,
+                   self._no_pairs, *share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):

@@ -318,7 +318,7 @@ class PersistentLayer:
 
     projects_input = False
     fuses_single_step = False
-    reads_storage = reads_weights = False
+    reads_storage = reads_weights = fuses_input = False
 
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
@@ -338,7 +338,9 @@ class PersistentLayer:
         return {"exchange": (2, config.gate_rows, batch)}   # the gate-gradient exchange
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
-                clip_hi, clip_flags):
+                clip_hi, clip_flags, x_pairs=None, w_x=None):
+        if x_pairs is not None or w_x is not None:
+            raise ValueError("PersistentLayer.forward: takes xproj (fuses_input is False)")
         args = persistent_forward_args(self.gates, self.plan, xproj, d, w_h, bx, bh, hs, cs,
                                        y, saved, lengths, clip_lo, clip_hi, clip_flags)
         self._launch_forward((self.plan.blocks,), (self.plan.threads,),
