@@ -82,9 +82,6 @@ class FusedLayer(Protocol):
     reads_weights: bool       # True: project(), forward() and forward_single() also take
                               # W_x and W_h in the data's own dtype (the parameters in
                               # place; biases float32)
-    fuses_input: bool         # True: at T > 1 forward() multiplies W_x x_t itself (from
-                              # input_pairs(x2d, scratch) and W_x, keywords x_pairs and
-                              # w_x) and takes no xproj; project() is not called
 
     def forward_scratch(self, config, steps, batch) -> dict:
         """{name: shape} of scratch in the data's dtype, carved once per op; forward and
@@ -92,6 +89,11 @@ class FusedLayer(Protocol):
 
     def backward_scratch(self, config, batch) -> dict:
         """{name: shape} backward needs beyond forward_scratch's; backward receives both."""
+
+    def fuses_input(self, steps, batch) -> bool:
+        """True: at this size forward() multiplies W_x x_t itself, from
+        input_pairs(x2d, scratch) and W_x (keywords x_pairs and w_x), and takes no xproj
+        (None); project() is not called."""
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
                 clip_hi, clip_flags, x_pairs=None, w_x=None) -> None:
@@ -162,9 +164,11 @@ class RecurrentOp:
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
-        fuses_input = layer is not None and layer.fuses_input and not self.driver.single
+        # The fused layer multiplies W_x x_t in its loop: no xproj (decided once per op)
+        self.fuses_input = (layer is not None and not self.driver.single and
+                            layer.fuses_input(seq_len, batch))
         self.scratch, self.nbytes = _carve(self.xp, dtype, {
-            "xproj": (0 if fuses_input else T * N, D * GH),
+            "xproj": (0 if self.fuses_input else T * N, D * GH),
             "wx_packed": (D * GH * max_in if D > 1 else 0,),
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
             "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
@@ -653,7 +657,7 @@ class FusedDriver:
         D, GH = cfg.directions, cfg.gate_rows
         record = saved if saved is not None else self._no_record
         scratch = self._forward_views()
-        fuses = fused.fuses_input and not self.single
+        fuses = op.fuses_input
         x_pairs, xproj = None, None
         if fuses:   # the loop multiplies W_x x_t itself
             x_pairs = fused.input_pairs(x.reshape(T * N, -1), scratch)

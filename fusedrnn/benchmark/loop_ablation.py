@@ -8,10 +8,10 @@ out, compiles each in this process (no disk cache), and times FusedLayer.forward
 .backward, with --backward) through the op, the variants interleaved round by round.
 Loop timing, as in fusedrnn/benchmark/runner.py: each turn makes one untimed warm-in
 call (the previous variant's threads wind down on its time), then --block calls back to
-back, and reports their mean. Only the loop is timed, not the
-projection or the GEMMs around it (the bfloat16 layer multiplies W_x x_t inside its
-loop: FusedLayer.fuses_input; there the loop's products are both, and no_gemm cuts both). A variant's results are wrong by design: compare
-times only. Variants:
+back, and reports their mean. Only the loop is timed, not the projection or the GEMMs
+around it (from N=8 the bfloat16 layer multiplies W_x x_t inside its loop:
+FusedLayer.fuses_input; there the loop's products are both, and no_gemm cuts both). A
+variant's results are wrong by design: compare times only. Variants:
     base       the kernel as it is
     no_cell    the cell loop runs zero times (the row moves and the GEMMs stay)
     no_gemm    the recurrent product W_h h is skipped

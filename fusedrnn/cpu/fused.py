@@ -494,6 +494,14 @@ SERIAL_WORK = 1 << 19
 # rnn_tanh 33 -> 25; bfloat16 LSTM 76 -> 59; smaller shapes no slower.
 # Measured: bench/results/cpu-kernel-notes.md#fused-the-backwards-product-in-pairs
 PAIR_ROWS = 4
+# The bf16 layer multiplies W_x x_t inside its loop (FusedLayer.fuses_input) from this many
+# samples: each step's product reads all of W_x's panels for N rows, where the projection
+# before the loop reads them once for T*N. bfloat16 inference, numpy arrays, T=100 I=H=512,
+# ms, the projection / inside the loop: LSTM N=1 1.8-2.1 / 2.5-2.8, N=4 2.89-2.94 /
+# 3.05-3.08, N=8 5.3-5.8 / 5.0-5.3, N=16 9.8-10.2 / 9.1-9.4; rnn_tanh N=4 1.14-1.17 /
+# 1.18-1.22, N=8 1.7-1.95 / 1.56-1.66.
+# Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
+FUSED_INPUT_ROWS = 8
 SERIAL_POINTWISE = 1 << 14
 
 
@@ -533,13 +541,14 @@ class FusedLayer:
         # numpy's dgemm was faster.
         # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
         self.projects_input = own_gemm(self.dtype)
-        # bf16 at T > 1: no projection before the loop; each block multiplies W_x x_t too,
+        # bf16 at T > 1 and N >= FUSED_INPUT_ROWS (fuses_input): no projection before the
+        # loop; each block multiplies W_x x_t too,
         # from the input's bfloat16 pairs and this direction's W_x packed by block as W_h
         # is, into its tile's X groups. The products are as fast at N rows as at T*N, and
         # the loop no longer reads W_x x_t back from a (T*N, D*G*H) float32 array written
         # by a GEMM before it (77 MB at the design size, past L3: the op carves none).
         # Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
-        self.fuses_input = bf16
+        self._fuses = bf16
         self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
                                             self.dtype, False, bf16=bf16)
         self._forward_single = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
@@ -633,6 +642,10 @@ class FusedLayer:
             return
         project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
 
+    def fuses_input(self, steps, batch):
+        """Whether forward() multiplies W_x x_t itself (note in __init__) at this size."""
+        return self._fuses and steps > 1 and batch >= FUSED_INPUT_ROWS
+
     def input_pairs(self, x2d, scratch):
         """(bf16) The layer input x2d (M, K) as rows of bfloat16 pairs (M, ceil(K/2))
         uint32: the bfloat16 data itself where K is even (read in place), else rounded
@@ -658,10 +671,12 @@ class FusedLayer:
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
         h16, wpairs, x16, wxpairs = self._no_h16, self._no_pairs, self._no_x16, self._no_pairs
-        if (x_pairs is not None) != self.fuses_input or (w_x is not None) != self.fuses_input:
-            raise ValueError(f"FusedLayer.forward: x_pairs and w_x are "
-                             f"{'required' if self.fuses_input else 'not taken'} here")
-        if self.fuses_input:
+        fuses = self.fuses_input(hs.shape[1] - 1, hs.shape[2])
+        if (x_pairs is not None) != fuses or (w_x is not None) != fuses or (
+                xproj is None) != fuses:
+            raise ValueError(f"FusedLayer.forward: {'x_pairs and w_x' if fuses else 'xproj'} "
+                             f"expected at T={hs.shape[1] - 1} N={hs.shape[2]}")
+        if fuses:
             x16, kpx = x_pairs, x_pairs.shape[1]
             if x16.shape[0] != (hs.shape[1] - 1) * hs.shape[2] or kpx != -(-w_x.shape[1] // 2):
                 raise ValueError(f"FusedLayer.forward: x_pairs {x16.shape} do not fit "

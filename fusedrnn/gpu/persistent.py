@@ -318,7 +318,7 @@ class PersistentLayer:
 
     projects_input = False
     fuses_single_step = False
-    reads_storage = reads_weights = fuses_input = False
+    reads_storage = reads_weights = False
 
     def __init__(self, mode, plan, xp, launch_forward, launch_backward):
         self.gates, self.plan, self.xp = CELLS[mode].gates, plan, xp
@@ -332,6 +332,10 @@ class PersistentLayer:
     @staticmethod
     def forward_scratch(config, steps, batch):
         return {}
+
+    @staticmethod
+    def fuses_input(steps, batch):
+        return False   # xproj comes from the op's GEMM
 
     @staticmethod
     def backward_scratch(config, batch):

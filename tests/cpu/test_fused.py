@@ -513,3 +513,17 @@ def test_the_bf16_layer_rounds_h_for_its_products():
     as_float32 = fusedrnn.RNN(**{k: v.astype(np.float32) for k, v in half.items()}, **kw)
     assert not np.array_equal(out.view(np.uint16),
                               as_float32.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_layer_multiplies_the_input_in_its_loop_from_fused_input_rows(mode):
+    """From FUSED_INPUT_ROWS samples (T > 1) the vdpbf16ps layer takes W_x x_t inside its
+    loop and the op carves no xproj; below, and at T=1, the projection as before. (The
+    two paths' results: tests/test_precision.py runs every case through both.)"""
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    G, H = CELLS[mode].gates, 20
+    for T, N in [(6, fused.FUSED_INPUT_ROWS - 1), (6, fused.FUSED_INPUT_ROWS), (1, 16)]:
+        op = _bf16_op(mode, T=T, N=N, H=H)
+        fuses = HAS_BF16 and T > 1 and N >= fused.FUSED_INPUT_ROWS
+        assert op.fuses_input is fuses, (T, N)
+        assert op.scratch.xproj.shape == (0 if fuses else T * N, 2 * G * H)
