@@ -7,10 +7,11 @@ one Numba parallel region whose workers walk the steps together, sharing each st
 blocks of 16 hidden units (lowlevel/workshare.py: claims, a spin barrier at each step's
 end, and why not a region per step). A block multiplies h_{t-1} by its own pre-packed
 panels of W_h (lowlevel/microkernel.py, lowlevel/packing.py), all G gates of its units,
-into a small tile that stays in cache, and applies the cell's pointwise math (units.py)
-to it at once. The step's other inputs (W_x x_t, biases, h_{t-1}, c_{t-1}) come into the
-tile, and the results go out, as 16-element vector rows (lowlevel/rows.py, and why not
-element by element). No per-step Python, no allocation in the loop.
+into a small tile that stays in cache (the bfloat16 layer, from N=8, also W_x x_t by
+W_x's panels: FusedLayer.fuses_input), and applies the cell's pointwise math (units.py)
+to it at once. The step's other inputs (W_x x_t otherwise, biases, h_{t-1}, c_{t-1})
+come into the tile, and the results go out, as 16-element vector rows (lowlevel/rows.py,
+and why not element by element). No per-step Python, no allocation in the loop.
 
 Used for every cell without a projection (the projected LSTM keeps the generic path).
 At T=1 (a decoder step) a second form of the same kernel, FusedLayer.forward_single,
@@ -19,8 +20,9 @@ each weight is used once and packing it would cost more than the product.
 
 layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
               clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16, wpairs,
-              counters, workers)
+              x16, wxpairs, counters, workers)
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
+                                 (empty where x16 is given)
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
                                  (lowlevel/packing.py)
@@ -38,6 +40,11 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     x, w_x, w_h, x_cols, h_cols, w_rows   empty here; the T=1 form's inputs there
                                  (FusedLayer.forward_single documents them)
     h16, wpairs                  the bf16 layer's h_t rounded and W_h's pairs (empty else)
+    x16     (T*N, kx) uint32 in  the bf16 layer's input as bfloat16 pairs (kx = ceil(K/2)),
+                                 where it multiplies W_x x_t itself (FusedLayer.fuses_input);
+                                 (0, 0) else
+    wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
+                                 (as wpairs; empty where x16 is)
     counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All arrays C-contiguous and of one dtype (lengths, counters, the bf16 layer's bits
