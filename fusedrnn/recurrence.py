@@ -91,9 +91,10 @@ class FusedLayer(Protocol):
         """{name: shape} backward needs beyond forward_scratch's; backward receives both."""
 
     def fuses_input(self, steps, batch) -> bool:
-        """True: at this size forward() multiplies W_x x_t itself, from
-        input_pairs(x2d, scratch) and W_x (keywords x_pairs and w_x), and takes no xproj
-        (None); project() is not called."""
+        """True: at this size forward() multiplies W_x x_t itself, from the layer's
+        input_pairs(x2d, scratch) (a method such a layer has beside this protocol's) and
+        W_x (keywords x_pairs and w_x), and takes no xproj (None); project() is not
+        called."""
 
     def forward(self, xproj, d, w_h, bx, bh, hs, cs, y, saved, scratch, lengths, clip_lo,
                 clip_hi, clip_flags, x_pairs=None, w_x=None) -> None:

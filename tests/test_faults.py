@@ -25,13 +25,13 @@ def fault(monkeypatch):
     real = CpuBackend.cell_kernels
 
     def wrap(kernel):
-        def launch(*args):
+        def launch(*args, **kw):
             if state["launch"] is not None:
                 state["launch"] -= 1
                 if state["launch"] < 0:
                     state["launch"] = None
                     raise Injected
-            kernel(*args)
+            kernel(*args, **kw)
         return launch
 
     def wrapped_fused(config, dtype, batch, storage=None):

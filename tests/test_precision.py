@@ -100,13 +100,13 @@ def kink_clearance(case, kw, **ref_kw):
     return min((np.abs(a).min() for a in trace), default=np.inf)
 
 
-
 @pytest.fixture(autouse=True, params=["projected", "in-loop"])
 def input_product(request, monkeypatch):
     """Both ways the CPU bfloat16 layer takes W_x x_t, at every case's size: the
     projection before the loop, and the product inside it (cpu/fused.py's
     FUSED_INPUT_ROWS decides by N; float16 and the GPU run the same path twice)."""
     monkeypatch.setattr(fused, "FUSED_INPUT_ROWS", 1 if request.param == "in-loop" else 1 << 30)
+
 
 def longest_product(kw, I):
     D = 2 if kw.get("bidirectional") else 1

@@ -133,7 +133,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     """layer_forward (module docstring), or with single_step its T=1 form, which takes
     the layer input and the raw weights (FusedLayer.forward_single says why). Without
     `parallel`, plain serial code (FusedLayer._serial says when). With `bf16` (T > 1
-    only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs."""
+    only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs; and
+    where x16 is given, W_x x_t too, from x16 and wxpairs, instead of reading xproj."""
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
@@ -147,7 +148,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     # 6 sums (lowlevel/microkernel.py): so for T > 1 and N >= PAIR_ROWS a work item is two
     # blocks, their two panels in one product (8 x 2 tiles). Group _R + 1 of the first
     # block's tile, unused by a one-gate cell, takes the second block's product on its way
-    # to that block's tile.
+    # to that block's tile (and group _X + 1 its W_x x_t, where the bf16 layer fuses it).
     # Measured: bench/results/cpu-kernel-notes.md#fused-one-gate-blocks-in-pairs
     per = 2 if gates == 1 and not single_step else 1
 
@@ -549,11 +550,11 @@ class FusedLayer:
         # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-whether-to-project-the-input
         self.projects_input = own_gemm(self.dtype)
         # bf16 at T > 1 and N >= FUSED_INPUT_ROWS (fuses_input): no projection before the
-        # loop; each block multiplies W_x x_t too,
-        # from the input's bfloat16 pairs and this direction's W_x packed by block as W_h
-        # is, into its tile's X groups. The products are as fast at N rows as at T*N, and
-        # the loop no longer reads W_x x_t back from a (T*N, D*G*H) float32 array written
-        # by a GEMM before it (77 MB at the design size, past L3: the op carves none).
+        # loop; each block multiplies W_x x_t too, from the input's bfloat16 pairs and this
+        # direction's W_x packed by block as W_h is, into its tile's X groups. The products
+        # are as fast at N rows as at T*N, and the loop no longer reads W_x x_t back from a
+        # (T*N, D*G*H) float32 array written by a GEMM before it (77 MB at the design size,
+        # past L3: the op carves none).
         # Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
         self._fuses = bf16
         self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
@@ -580,7 +581,8 @@ class FusedLayer:
     def forward_scratch(self, config, steps, batch):
         """Scratch shapes the op carves once. For T > 1: packed W_h, the per-block tiles,
         and where project() serves, the packed input weights of both directions (flat)
-        and its spill tiles.
+        and its spill tiles; the bf16 layer's wx_pairs also holds one direction's W_x
+        packed by block where it fuses_input.
         For T = 1 (forward_single): the tiles padded to whole 16-sample panels and the
         layer input and h_0 as 16-sample columns (x_cols flat, for any layer's K); the
         others are empty."""
@@ -678,11 +680,10 @@ class FusedLayer:
                              f"{tiles.shape} must both have {panels(hs.shape[3])} blocks "
                              f"(T=1 scratch is forward_single's)")
         h16, wpairs, x16, wxpairs = self._no_h16, self._no_pairs, self._no_x16, self._no_pairs
-        fuses = self.fuses_input(hs.shape[1] - 1, hs.shape[2])
-        if (x_pairs is not None) != fuses or (w_x is not None) != fuses or (
-                xproj is None) != fuses:
-            raise ValueError(f"FusedLayer.forward: {'x_pairs and w_x' if fuses else 'xproj'} "
-                             f"expected at T={hs.shape[1] - 1} N={hs.shape[2]}")
+        fuses = x_pairs is not None   # (the op's decision: fuses_input at its size)
+        if (fuses and not self._fuses) or (w_x is not None) != fuses or (xproj is None) != fuses:
+            raise ValueError("FusedLayer.forward: xproj, or x_pairs and w_x where the layer "
+                             "fuses_input, expected")
         if fuses:
             x16, kpx = x_pairs, x_pairs.shape[1]
             if x16.shape[0] != (hs.shape[1] - 1) * hs.shape[2] or kpx != -(-w_x.shape[1] // 2):
