@@ -44,8 +44,7 @@ _CELL_BACKWARD = ("                            for u in range(lanes):      # the
                   "                                dx0, dx1")
 _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
-_GEMM_BF16 = "                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)\n"
-_GEMM_BF16_X = "                    if bf16 and fuses_x:   # W_x x_t into the X groups, as W_h h below\n"
+_GEMM_BF16 = "                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16): W_x x_t into the\n"
 _GEMM_BACKWARD = ("                    if step > 0 and bf16:   # the same product from bfloat16 pairs\n",
                   "                    elif step > 0:\n")
 _SAMPLES_BACKWARD = ("                        for n in range(N):\n"
@@ -61,8 +60,7 @@ CUTS = {
         "base": [],
         "no_cell": [(_CELL_FORWARD, _CELL_FORWARD.replace("range(lanes)", "range(0)"))],
         "no_gemm": [(_GEMM, _GEMM.replace("elif not single_step:", "elif False:")),
-                    (_GEMM_BF16, _GEMM_BF16.replace("if bf16:", "if False:")),
-                    (_GEMM_BF16_X, _GEMM_BF16_X.replace("if bf16 and fuses_x:", "if False:"))],
+                    (_GEMM_BF16, _GEMM_BF16.replace("if bf16:", "if False:"))],
         "gemm_only": [(_SAMPLES, _SAMPLES.replace("range(N)", "range(0)"))],
     },
     "backward": {

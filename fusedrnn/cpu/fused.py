@@ -196,32 +196,23 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         break
                     done += 1
                     first = q * pair
-                    if bf16 and fuses_x:   # W_x x_t into the X groups, as W_h h below
-                        x_rows = x16.ctypes.data + t * N * kpx * 4
-                        if pair == 2 and first + 1 < blocks:
-                            panel_gemm_bf16(x_rows, kpx, N, wxpairs[first, 0].ctypes.data,
-                                            kpx * PANEL, 2,
-                                            tiles[first].ctypes.data + _X * PANEL * itemsize,
-                                            row, kpx)
-                            _hand_over(tiles, first, N, _X, like)
-                        else:
-                            panel_gemm_bf16(x_rows, kpx, N, wxpairs[first, 0].ctypes.data,
-                                            kpx * PANEL, gates,
-                                            tiles[first].ctypes.data + _X * PANEL * itemsize,
-                                            row, kpx)
-                    if bf16:   # the same products from bfloat16 pairs (FusedLayer.bf16)
-                        h16_prev = h16.ctypes.data + (d * (T + 1) + prev) * N * kp * 4
-                        if pair == 2 and first + 1 < blocks:
-                            panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
-                                            kp * PANEL, 2,
-                                            tiles[first].ctypes.data + _R * PANEL * itemsize,
-                                            row, kp)
-                            _hand_over(tiles, first, N, _R, like)
-                        else:
-                            panel_gemm_bf16(h16_prev, kp, N, wpairs[first, 0].ctypes.data,
-                                            kp * PANEL, gates,
-                                            tiles[first].ctypes.data + _R * PANEL * itemsize,
-                                            row, kp)
+                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16): W_x x_t into the
+                        # X groups where the loop takes it (fuses_x), then W_h h_{t-1}
+                        for part in range(0 if fuses_x else 1, 2):
+                            if part == 0:
+                                a, lda, w = x16.ctypes.data + t * N * kpx * 4, kpx, wxpairs
+                                group = _X
+                            else:
+                                a = h16.ctypes.data + (d * (T + 1) + prev) * N * kp * 4
+                                lda, w, group = kp, wpairs, _R
+                            c = tiles[first].ctypes.data + group * PANEL * itemsize
+                            if pair == 2 and first + 1 < blocks:
+                                panel_gemm_bf16(a, lda, N, w[first, 0].ctypes.data, lda * PANEL,
+                                                2, c, row, lda)
+                                _hand_over(tiles, first, N, group, like)
+                            else:
+                                panel_gemm_bf16(a, lda, N, w[first, 0].ctypes.data, lda * PANEL,
+                                                gates, c, row, lda)
                     elif not single_step:
                         if pair == 2 and first + 1 < blocks:
                             # Two one-gate blocks in one product (note above
