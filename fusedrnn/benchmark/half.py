@@ -7,9 +7,9 @@ round.
     python -m fusedrnn.benchmark.half --device cuda --dtypes float16,bfloat16 --modes lstm,gru
 
 CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32;
-and the ceiling: oneDNN's GEMM in the dtype (torch's mkldnn Linear, 2048 x 2048 x 2048, the
-median of 7 blocks of 3) in a process of its own, printed as the time the call's FLOPs would
-take at that rate, and each peer's fraction of it ("of the ceiling").
+and the ceiling (bfloat16): the grid's GEMM ceiling (worker.gemm_ceilings: oneDNN's mkldnn
+Linear, 2048^3, best of 5) in a process of its own, printed as the time the call's FLOPs
+would take at that rate, and each peer's fraction of it ("of the ceiling").
 CUDA: cuDNN (torch.nn) in the dtype, fusedrnn as it runs by default (the persistent
 kernels' tensor-core products and the large GEMMs in half; set explicitly), and fusedrnn
 with both turned off (FUSEDRNN_GPU_TENSOR_CORES=0 FUSEDRNN_GPU_HALF_GEMMS=0: the float32
@@ -52,17 +52,11 @@ def _flops(mode, train):
 
 
 def _ceiling(mode, train, dtype):
-    """Seconds the call's FLOPs take at oneDNN's GEMM rate in `dtype` (module docstring)."""
-    import torch
-    import torch.utils.mkldnn
-    n = 2048
-    dtype = getattr(torch, dtype)
-    linear = torch.utils.mkldnn.to_mkldnn(torch.nn.Linear(n, n, bias=False).to(dtype).eval(),
-                                          dtype)
-    a = torch.randn(n, n).to(dtype).to_mkldnn()
-    with torch.no_grad():
-        seconds = seconds_per_call(lambda: linear(a), blocks=7)
-    return _flops(mode, train) * seconds / (2 * n ** 3)
+    """Seconds the call's FLOPs take at the GEMM ceiling in `dtype`: the grid's
+    (worker.gemm_ceilings: oneDNN's on the CPU, best of 5 of 2048^3)."""
+    from .runner import Device
+    from .worker import gemm_ceilings
+    return _flops(mode, train) / (gemm_ceilings(Device("cpu"))[dtype]["best"] * 1e9)
 
 
 def _one(mode, peer, train, dtype, device):
@@ -113,7 +107,8 @@ def main(argv=None):
     for dtype in dtypes.split(","):
         for mode in args.modes.split(","):
             for phase in ("infer", "train"):
-                times = alternate("fusedrnn.benchmark.half", PEERS[args.device], args.rounds,
+                peers = [p for p in PEERS[args.device] if p != "ceiling" or dtype == "bfloat16"]
+                times = alternate("fusedrnn.benchmark.half", peers, args.rounds,
                                   mode, phase, dtype, args.device)
                 work = _flops(mode, phase == "train")
                 cells = [f"{peer} " + " ".join(f"{t * 1e3:.2f}" for t in ts) +
