@@ -104,7 +104,7 @@ def kink_clearance(case, kw, **ref_kw):
 def input_product(request, monkeypatch):
     """Both ways the CPU bfloat16 layer takes W_x x_t, at every case's size: the
     projection before the loop, and the product inside it (cpu/fused.py's
-    FUSED_INPUT_ROWS decides by N; float16 and the GPU run the same path twice)."""
+    FUSED_INPUT_ROWS decides by N; float16 runs its one path twice: ~40 s of CI)."""
     monkeypatch.setattr(fused, "FUSED_INPUT_ROWS", 1 if request.param == "in-loop" else 1 << 30)
 
 
