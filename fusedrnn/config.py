@@ -73,6 +73,13 @@ class CellSpec:
         return self.carry == "c"
 
     @property
+    def reads_h_prev(self) -> bool:
+        # Only a cell with a direct h_{t-1} -> h_t path (GRU's z * h_prev, whose gradient
+        # is the "h" carry) reads h_{t-1} in its pointwise math, forward or backward; the
+        # others see it only through W_h h (the fused loops then leave it out of the tile).
+        return self.carry == "h"
+
+    @property
     def split_gate_grads(self) -> bool:
         # GRU's n gate sees W_hn h through r, so d(gh) != d(gx) there; the others
         # share one pre-activation gradient for both GEMM inputs.

@@ -20,7 +20,11 @@ variant's results are wrong by design: compare times only. Variants:
 With --backward: base, no_cell, no_gemm (the product dh_rec = dg @ W_h skipped) and
 gemm_only. --dtype bfloat16 times the vdpbf16ps layer (FusedLayer(bf16=True)) on
 bfloat16 data.
-Prints the median and minimum milliseconds per call of each. This is how the figures
+Prints the median and minimum milliseconds per call of each. The variants are compiled
+in this process, so they run Numba's first-optimised prange body, where a process that
+loads the kernel from the disk cache runs the twice-optimised copy (fused.py's note above
+_make_layer_backward): time the op from the cache too (a second process) before a
+variant's gain is taken as a user's. This is how the figures
 of bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops were measured
 (e.g. `python -m fusedrnn.benchmark.loop_ablation gru --shape 50,64,512,512 --variants base,no_cell`).
 """

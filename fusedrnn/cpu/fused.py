@@ -64,8 +64,8 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
-                       project_widened, round_row, round_rows, row_add, row_add3, row_copy,
-                       zero_like)
+                       project_widened, round_rows, row_add, row_add3, row_copy, row_round,
+                       row_zero, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -123,6 +123,12 @@ def _hand_over(tiles, first, N, group, like):
                  like)
 
 
+def _spec(mode):
+    """The CellSpec of a kernel's mode index (units.MODE_INDEX: the kernels hold the index,
+    units.py says why)."""
+    return CELLS[tuple(MODE_INDEX)[mode]]
+
+
 def _columns(*groups):
     """The first tile column of each group, as unsigned constants (note above)."""
     return tuple(np.uint64(group * PANEL) for group in groups)
@@ -144,6 +150,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     r_cols_in = _columns(*(_R + min(g, last) for g in range(4)))
     h_prev_in, c_prev_in, h_out, c_out = _columns(_HP, _CP, _H, _C)
     s_out = _columns(*(_S + k for k in range(4)))
+    reads_h = _spec(mode).reads_h_prev   # else h_{t-1} stays out of the tile
     # A one-gate cell (the RNNs) has one W_h panel per block, and a one-panel tile keeps
     # 6 sums (lowlevel/microkernel.py): so for T > 1 and N >= PAIR_ROWS a work item is two
     # blocks, their two panels in one product (8 x 2 tiles). Group _R + 1 of the first
@@ -164,9 +171,10 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         all_active = lengths.shape[0] == 0
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
-        like = zero_like(hs)
+        like, zero16 = zero_like(hs), np.uint16(0)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         kp = wpairs.shape[2]                                # bf16: pairs of h per row
+        h16_rows = h16.ctypes.data + d * (T + 1) * N * h16.shape[3] * 2   # h16[d, 0, 0, 0]
         # bf16 with x16: W_x x_t multiplied here too, from the input's pairs (no xproj)
         fuses_x, kpx = x16.shape[0] != 0, x16.shape[1]
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
@@ -260,12 +268,12 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             if not (all_active or t < lengths[n]):   # past its end: carry, y=0
                                 row_copy(h_next, h_prev, width, like)
                                 if bf16:
-                                    for u in range(width):
-                                        h16[d, nxt, n, j0 + u] = h16[d, prev, n, j0 + u]
+                                    row_copy(h16_rows + ((nxt * N + n) * h16.shape[3] + j0) * 2,
+                                             h16_rows + ((prev * N + n) * h16.shape[3] + j0) * 2,
+                                             width, zero16)
                                 if has_c:
                                     row_copy(c_next, c_prev, width, like)
-                                for u in range(width):
-                                    y[t, n, y_col + j0 + u] = 0
+                                row_zero(y_row, width, like)
                                 continue
                             for g in range(gates):      # gather this block's inputs
                                 r_g = trow + (_R + g) * PANEL * itemsize
@@ -275,7 +283,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 x_in = x_g if single_step or fuses_x else xproj.ctypes.data + (
                                     sample * xproj.shape[2] + x_col + unit) * itemsize
                                 row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
-                            row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
+                            if reads_h:
+                                row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
                             if has_c:   # (the other cells never read c_prev)
                                 row_copy(trow + _CP * PANEL * itemsize, c_prev, width, like)
                             for u in range(lanes):      # the cell, on the tile alone
@@ -295,8 +304,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             h_new = trow + _H * PANEL * itemsize      # scatter
                             row_copy(h_next, h_new, width, like)
                             if bf16:   # h_t rounded, for the next step's product
-                                round_row(h16[d, nxt, n, j0:j0 + width],
-                                          tile[n, h_out:h_out + np.uint64(width)])
+                                row_round(h16_rows + ((nxt * N + n) * h16.shape[3] + j0) * 2,
+                                          h_new, width)
                             row_copy(y_row, h_new, width, like)
                             if has_c:
                                 row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
@@ -311,6 +320,14 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_forward)
 
 
+# Numba compiles a prange body into a library of its own (optimised at O3), then links it
+# into the kernel's library and optimises the whole again; the disk cache keeps that twice
+# optimised copy, the freshly compiled process runs the first. Plain loops over u here
+# (the backward's zeroing of a finished sample's gradients) came out of the second round
+# as 4000 instructions that made the whole body spill: the bf16 LSTM backward loop ran in
+# 50 ms compiled fresh and 70-78 ms from the cache, every later process. So rows move as
+# rows (rows.py), also where a loop would be short.
+# Measured: bench/results/cpu-kernel-notes.md#fused-code-optimised-twice
 def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=False):
     """The backward twin of layer_forward (arguments: FusedLayer.backward). With `bf16`
     the recurrent product dh_rec = dg_later @ W_h is vdpbf16ps's: each step also writes
@@ -327,6 +344,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         _DH, _DC, _HPB, _CPB, _CT, _DHC, _DCC)
     rec_in = _columns(*(_SV + k for k in range(4)))     # becomes dr per gate
     dx_out = _columns(*(_DX + g for g in range(4)))
+    reads_h = _spec(mode).reads_h_prev   # else h_{t-1} stays out of the tile
 
     def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
                        dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, dg16,
@@ -341,7 +359,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         lda = dgh.shape[2] if split else dgx.shape[2]
         h_rows = hs.ctypes.data + d * (T + 1) * N * H * itemsize   # hs[d, 0, 0, 0]
         c_rows = cs.ctypes.data + d * (T + 1) * N * cs.shape[3] * itemsize
-        like = zero_like(dgx)
+        like, zero16 = zero_like(dgx), np.uint16(0)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         dg_rows = (dgh.ctypes.data if split else dgx.ctypes.data) + col * itemsize
         blocks = (wpairs_rows if bf16 else wpack_rows).shape[0]
@@ -403,15 +421,18 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                                 n * dc_carry.shape[1] + j0) * itemsize
                             dgx_n = dgx.ctypes.data + (sample * dgx.shape[2] + col + j0) * itemsize
                             dgh_n = dgh.ctypes.data + (sample * dgh.shape[2] + col + j0) * itemsize
+                            dg16_n = dg16.ctypes.data + ((step % 2) * N + n) * dg16.shape[2] * 2
                             if not (all_active or t < lengths[n]):
                                 # Past this sample's length: no gate gradient, dh and dc pass on.
+                                # (Row moves, not loops over u: LLVM vectorised those loops into
+                                # code that, optimised again where Numba links the kernel, made
+                                # the whole loop spill; note above _make_layer_backward.)
                                 for g in range(gates):
-                                    for u in range(width):
-                                        dgx[t, n, col + g * H + j0 + u] = 0
-                                        if split:
-                                            dgh[t, n, col + g * H + j0 + u] = 0
-                                        if bf16:
-                                            dg16[step % 2, n, g * H + j0 + u] = 0
+                                    row_zero(dgx_n + g * H * itemsize, width, like)
+                                    if split:
+                                        row_zero(dgh_n + g * H * itemsize, width, like)
+                                    if bf16:
+                                        row_zero(dg16_n + (g * H + j0) * 2, width, zero16)
                                 row_add(dh_carry_n, dh_carry_n, dh_rec_n, width, like)
                                 continue
                             dy_n = dy.ctypes.data + (sample * dy.shape[2] + y_col + j0) * itemsize
@@ -422,8 +443,10 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                             for k in range(saved_width):
                                 row_copy(trow + (_SV + k) * PANEL * itemsize,
                                          rec + k * H * itemsize, width, like)
-                            row_copy(trow + _HPB * PANEL * itemsize,
-                                     h_rows + ((prev * N + n) * H + j0) * itemsize, width, like)
+                            if reads_h:
+                                row_copy(trow + _HPB * PANEL * itemsize,
+                                         h_rows + ((prev * N + n) * H + j0) * itemsize, width,
+                                         like)
                             if has_c:   # (the other cells never read these)
                                 row_copy(trow + _DC * PANEL * itemsize, dc_carry_n, width, like)
                                 row_copy(trow + _CPB * PANEL * itemsize,
@@ -455,9 +478,9 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                                              trow + (_SV + g) * PANEL * itemsize, width, like)
                             if bf16:   # the next step's product reads these, rounded
                                 for g in range(gates):
-                                    src = rec_in[g] if split else dx_out[g]
-                                    round_row(dg16[step % 2, n, g * H + j0:g * H + j0 + width],
-                                              tile[n, src:src + np.uint64(width)])
+                                    src = (_SV if split else _DX) + g
+                                    row_round(dg16_n + (g * H + j0) * 2,
+                                              trow + src * PANEL * itemsize, width)
                             row_copy(dh_carry_n, trow + _DHC * PANEL * itemsize, width, like)
                             if has_c:
                                 row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)

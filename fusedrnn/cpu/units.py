@@ -6,8 +6,9 @@ forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, clip_lo, clip_hi, clip_f
         -> (h, c, s0, s1, s2, s3)
     x_g  the input side of gate g's pre-activation, W_x x + b_x (gates past G: unused)
     r_g  the recurrent side, W_h h + b_h (kept apart: GRU's n gate scales it by r)
-    h_prev, c_prev  the unit's previous state (c_prev: LSTM only; the other cells never
-                    read it, and the fused loops leave it undefined for them)
+    h_prev, c_prev  the unit's previous state (h_prev: GRU only, CellSpec.reads_h_prev;
+                    c_prev: LSTM only; the fused loops leave each undefined for the
+                    cells that never read it)
     returns the new state h, the new cell state c (LSTM; else 0) and the training record
     s_0..s_{S-1} (CellSpec.saved values; the rest 0)
 
@@ -16,7 +17,8 @@ backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, clip_lo, clip_hi, clip_fla
     dh   all gradient reaching this step's h (output + recurrence + direct carry)
     dc   gradient reaching this step's c from the next step (LSTM only, like c_prev
          and c_t: the other cells never read them)
-    s_k  the forward's record; h_prev, c_prev, c_t the states around the step
+    s_k  the forward's record; h_prev, c_prev, c_t the states around the step (as in
+         forward: each undefined where the cell never reads it)
     returns the gradients w.r.t. each gate's input-side (dx_g) and recurrent-side (dr_g)
     pre-activation (equal except GRU's n gate), the gradient that reaches h_prev directly
     (GRU's z*dh; else 0) and the one that reaches c_prev (LSTM's f*dc; else 0)

@@ -7,7 +7,6 @@ column j holding B[2p, j] (low half) and B[2p+1, j] (high half).
 
 bf16_bits(x)                  (inline) float32 -> bfloat16 bits (uint32, low 16 bits),
                               rounded to nearest even; a NaN stays a NaN
-round_row(dst, src)           (inline) dst uint16 (1-D) = src float32 (1-D) rounded
 round_rows(src, dst)
     src  (M, K) float32       in
     dst  (M, 2*kp) uint16     out  src rounded to bfloat16, a zero in the odd-K pad
@@ -59,7 +58,7 @@ from .microkernel import PANEL
 from .packing import SERIAL_ELEMENTS
 
 __all__ = ["bf16_bits", "interleave_rows", "narrow", "pack_input_pairs", "pack_k_pairs",
-           "pack_recurrent_pairs", "project_bf16", "round_row", "round_rows", "widen"]
+           "pack_recurrent_pairs", "project_bf16", "round_rows", "widen"]
 
 
 @nb.njit(inline="always", cache=True)
@@ -75,14 +74,6 @@ def bf16_bits(x):
 # The loops below index 1-D slices from 0: with an index that starts elsewhere, Numba's
 # loops did not vectorise (widen 1.6 ms against 0.2 for 4.8M values).
 # Measured: bench/results/cpu-kernel-notes.md#bf16-the-training-gemms
-
-
-@nb.njit(inline="always", cache=True)
-def round_row(dst, src):
-    """dst (uint16, 1-D) = src (float32, 1-D, as long) rounded to bfloat16: the fused
-    loops' per-sample rows (h_t, dg), as 1-D slices so that the loop vectorises."""
-    for i in range(dst.shape[0]):
-        dst[i] = np.uint16(bf16_bits(src[i]))
 
 
 def _round_rows(src, dst):

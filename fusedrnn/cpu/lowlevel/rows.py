@@ -14,13 +14,22 @@ vector moves did that in one instruction, but AMD's masked stores are microcoded
 LLVM changed those intrinsics' signature between the versions Numba builds on.)
 
 row_copy(dst, src, width, like)        dst[0:width] = src[0:width]
+row_zero(dst, width, like)             dst[0:width] = 0
 row_add(dst, a, b, width, like)        dst[0:width] = a[0:width] + b[0:width]
 row_add3(dst, a, b, c, width, like)    dst[0:width] = a[0:width] + b[0:width] + c[0:width]
     dst, a, b, c   element addresses (integers) of 16-element rows, unit stride
     width          0..16: the elements moved
-    like           any scalar of the data's dtype (float32 or float64): the precision
+    like           any scalar of the data's dtype (float32 or float64): the precision;
+                   row_copy and row_zero also move uint16 rows (bfloat16/float16 bits)
     All loads happen before the store, so dst may equal a source (an in-place add);
     partial overlap is not allowed.
+row_round(dst, src, width)             dst[0:width] = src[0:width] rounded to bfloat16
+    dst            address of a uint16 row (bfloat16 bits); src of a float32 row
+    width          0..16
+    Rounds as bf16gemm.bf16_bits does (to nearest even; a NaN stays a quiet NaN). The
+    bf16 layer's h_t and dg rows: a slice per row and a Numba loop (the round_row before)
+    cost 1.9 ms of the LSTM forward's 71 at T=300 N=20 H=800, this one vector 0.3.
+    Measured: bench/results/cpu-kernel-notes.md#bf16-rows-rounded-as-vectors
 """
 from __future__ import annotations
 
@@ -28,55 +37,70 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["row_copy", "row_add", "row_add3"]
+__all__ = ["row_copy", "row_add", "row_add3", "row_round", "row_zero"]
 
 LANES = 16
 
 
+def _element(like):
+    """(LLVM element type, bytes) of the rows a `like` of this Numba type moves."""
+    if like in (types.float32, types.float64):
+        return (ir.FloatType() if like == types.float32 else ir.DoubleType()), like.bitwidth // 8
+    if like in (types.uint16, types.int16):   # bfloat16/float16 bits (row_copy, row_zero)
+        return ir.IntType(16), 2
+    return None
+
+
 def _emit(context, builder, signature, values):
-    """The sum of rows values[1:-2] stored to values[0] (module docstring)."""
-    single = signature.args[-1] == types.float32
+    """The sum of rows values[1:-2] stored to values[0] (module docstring); with no
+    source row (row_zero), zeros."""
+    scalar, size = _element(signature.args[-1])
     intp = context.get_value_type(types.intp)
-    scalar = ir.FloatType() if single else ir.DoubleType()
     vec = ir.VectorType(scalar, LANES)
     address = [context.cast(builder, v, t, types.intp)
                for v, t in zip(values[:-2], signature.args[:-2])]
     width = context.cast(builder, values[-2], signature.args[-2], types.intp)
+
+    def total(loads):
+        out = None
+        for value in loads:
+            out = value if out is None else builder.fadd(out, value)
+        return out
     full = builder.icmp_unsigned(">=", width, ir.Constant(intp, LANES))
     with builder.if_else(full, likely=True) as (whole, partial):
         with whole:     # the whole row: one vector per operand
-            total = None
-            for a in address[1:]:
-                value = builder.load(builder.inttoptr(a, vec.as_pointer()), align=1)
-                total = value if total is None else builder.fadd(total, value)
-            builder.store(total, builder.inttoptr(address[0], vec.as_pointer()), align=1)
+            value = total(builder.load(builder.inttoptr(a, vec.as_pointer()), align=1)
+                          for a in address[1:]) or ir.Constant(vec, None)
+            builder.store(value, builder.inttoptr(address[0], vec.as_pointer()), align=1)
         with partial:   # a partial block's row: lane by lane, only below width
             for lane in range(LANES - 1):
                 inside = builder.icmp_unsigned("<", ir.Constant(intp, lane), width)
                 with builder.if_then(inside):
-                    at = [builder.inttoptr(builder.add(a, ir.Constant(
-                        intp, lane * (4 if single else 8))), scalar.as_pointer())
-                        for a in address]
-                    total = None
-                    for ptr in at[1:]:
-                        value = builder.load(ptr)
-                        total = value if total is None else builder.fadd(total, value)
-                    builder.store(total, at[0])
+                    at = [builder.inttoptr(builder.add(a, ir.Constant(intp, lane * size)),
+                                           scalar.as_pointer()) for a in address]
+                    value = total(builder.load(ptr) for ptr in at[1:]) or ir.Constant(scalar,
+                                                                                       None)
+                    builder.store(value, at[0])
     return context.get_dummy_value()
 
 
-def _typed(args, like):
-    """(signature, codegen) for integer addresses and width and a float `like`; None
-    (no match) for anything else."""
-    if like in (types.float32, types.float64) and all(
-            isinstance(a, types.Integer) for a in args):
+def _typed(args, like, sums=True):
+    """(signature, codegen) for integer addresses and width and a `like` of an element
+    type these moves take (a float where they add); None (no match) for anything else."""
+    if _element(like) is not None and (like in (types.float32, types.float64) or not sums) \
+            and all(isinstance(a, types.Integer) for a in args):
         return types.void(*args, like), _emit
     return None
 
 
 @intrinsic
 def row_copy(typingctx, dst, src, width, like):
-    return _typed((dst, src, width), like)
+    return _typed((dst, src, width), like, sums=False)
+
+
+@intrinsic
+def row_zero(typingctx, dst, width, like):
+    return _typed((dst, width), like, sums=False)
 
 
 @intrinsic
@@ -87,3 +111,50 @@ def row_add(typingctx, dst, a, b, width, like):
 @intrinsic
 def row_add3(typingctx, dst, a, b, c, width, like):
     return _typed((dst, a, b, c, width), like)
+
+
+def _bf16_bits(builder, bits, like):
+    """bf16gemm.bf16_bits on i32 bits (a scalar, or a vector shaped as `like`)."""
+    def const(value):
+        i32 = ir.IntType(32)
+        if isinstance(like, ir.VectorType):
+            return ir.Constant(like, [value] * like.count)
+        return ir.Constant(i32, value)
+    high = builder.lshr(bits, const(16))
+    nan = builder.icmp_unsigned(">", builder.and_(bits, const(0x7FFFFFFF)), const(0x7F800000))
+    rounding = builder.add(const(0x7FFF), builder.and_(high, const(1)))
+    rounded = builder.lshr(builder.add(bits, rounding), const(16))
+    return builder.select(nan, builder.or_(high, const(0x40)), rounded)
+
+
+def _emit_round(context, builder, signature, values):
+    intp = context.get_value_type(types.intp)
+    dst, src = (context.cast(builder, v, t, types.intp)
+                for v, t in zip(values[:2], signature.args[:2]))
+    width = context.cast(builder, values[2], signature.args[2], types.intp)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    full = builder.icmp_unsigned(">=", width, ir.Constant(intp, LANES))
+    with builder.if_else(full, likely=True) as (whole, partial):
+        with whole:
+            vec = ir.VectorType(i32, LANES)
+            bits = builder.load(builder.inttoptr(src, vec.as_pointer()), align=1)
+            out = builder.trunc(_bf16_bits(builder, bits, vec), ir.VectorType(i16, LANES))
+            builder.store(out, builder.inttoptr(dst, ir.VectorType(i16, LANES).as_pointer()),
+                          align=1)
+        with partial:   # lane by lane, only below width (module docstring)
+            for lane in range(LANES - 1):
+                inside = builder.icmp_unsigned("<", ir.Constant(intp, lane), width)
+                with builder.if_then(inside):
+                    bits = builder.load(builder.inttoptr(
+                        builder.add(src, ir.Constant(intp, 4 * lane)), i32.as_pointer()))
+                    builder.store(builder.trunc(_bf16_bits(builder, bits, i32), i16),
+                                  builder.inttoptr(builder.add(dst, ir.Constant(intp, 2 * lane)),
+                                                   i16.as_pointer()))
+    return context.get_dummy_value()
+
+
+@intrinsic
+def row_round(typingctx, dst, src, width):
+    if all(isinstance(a, types.Integer) for a in (dst, src, width)):
+        return types.void(dst, src, width), _emit_round
+    return None

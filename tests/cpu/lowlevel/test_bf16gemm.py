@@ -153,27 +153,6 @@ def test_project_bf16_by_columns_is_a_transposed_product(K, M, C):
         lowlevel.project_bf16(a_pairs, b_pairs, c[:-1], spill, by_columns=True)
 
 
-def test_round_row_rounds_a_slice_as_round_rows_does():
-    """round_row (inline, the fused loops' per-sample rows) on 1-D slices, as they call it."""
-    import numba
-
-    @numba.njit
-    def rows(dst, src, start, width):
-        for n in range(src.shape[0]):
-            lowlevel.round_row(dst[n, start:start + width], src[n, start:start + width])
-
-    rng = np.random.default_rng(7)
-    src = (rng.standard_normal((5, 40)) * 10.0 ** rng.integers(-30, 30, (5, 40))).astype(
-        np.float32)
-    src[0, 3:6] = [np.nan, np.inf, -0.0]
-    dst = np.full((5, 40), 0x7777, np.uint16)
-    rows(dst, src, 3, 21)
-    want = np.full((5, 42), 0x7777, np.uint16)
-    lowlevel.round_rows(src, want)
-    assert np.array_equal(dst[:, 3:24], want[:, 3:24])
-    assert (dst[:, :3] == 0x7777).all() and (dst[:, 24:] == 0x7777).all()
-
-
 def test_pack_k_pairs_takes_bfloat16_bits_as_they_are():
     """A bfloat16 src (a training's data, read in place) packs to the same pairs as its
     float32 values."""
