@@ -27,8 +27,10 @@ row_round(dst, src, width)             dst[0:width] = src[0:width] rounded to bf
     dst            address of a uint16 row (bfloat16 bits); src of a float32 row
     width          0..16
     Rounds as bf16gemm.bf16_bits does (to nearest even; a NaN stays a quiet NaN). The
-    bf16 layer's h_t and dg rows: a slice per row and a Numba loop (the round_row before)
-    cost 1.9 ms of the LSTM forward's 71 at T=300 N=20 H=800, this one vector 0.3.
+    bf16 layer's h_t and dg rows: as a slice per row and a Numba loop (the round_row
+    before) they cost 1.9 ms of the LSTM forward's 71 at T=300 N=20 H=800 (the loop
+    without them); with this, and h_{t-1} kept out of the tile where the cell never
+    reads it, the loop's work beside its products went 8.3-10.7 -> 7.7-9.0 ms.
     Measured: bench/results/cpu-kernel-notes.md#bf16-rows-rounded-as-vectors
 """
 from __future__ import annotations
