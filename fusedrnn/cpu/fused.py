@@ -174,7 +174,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         like, zero16 = zero_like(hs), np.uint16(0)
         lanes = np.uint64(tiles.shape[2] // TILE_GROUPS)   # == PANEL (note above _columns)
         kp = wpairs.shape[2]                                # bf16: pairs of h per row
-        h16_rows = h16.ctypes.data + d * (T + 1) * N * h16.shape[3] * 2   # h16[d, 0, 0, 0]
+        h16_rows = h16.ctypes.data + d * (T + 1) * N * kp * 4   # h16[d, 0, 0, 0] (bf16)
         # bf16 with x16: W_x x_t multiplied here too, from the input's pairs (no xproj)
         fuses_x, kpx = x16.shape[0] != 0, x16.shape[1]
         # A plain variable for prange: with this conditional inside prange(...) Numba ran
@@ -211,7 +211,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 a, lda, w = x16.ctypes.data + t * N * kpx * 4, kpx, wxpairs
                                 group = _X
                             else:
-                                a = h16.ctypes.data + (d * (T + 1) + prev) * N * kp * 4
+                                a = h16_rows + prev * N * kp * 4
                                 lda, w, group = kp, wpairs, _R
                             c = tiles[first].ctypes.data + group * PANEL * itemsize
                             if pair == 2 and first + 1 < blocks:
@@ -261,6 +261,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             trow = tile.ctypes.data + n * row * itemsize
                             h_prev = h_rows + ((prev * N + n) * H + j0) * itemsize
                             h_next = h_rows + ((nxt * N + n) * H + j0) * itemsize
+                            h16_prev = h16_rows + ((prev * N + n) * kp * 2 + j0) * 2   # (bf16)
+                            h16_next = h16_rows + ((nxt * N + n) * kp * 2 + j0) * 2
                             c_prev = c_rows + ((prev * N + n) * H + j0) * itemsize
                             c_next = c_rows + ((nxt * N + n) * H + j0) * itemsize
                             sample = t * N + n
@@ -268,9 +270,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             if not (all_active or t < lengths[n]):   # past its end: carry, y=0
                                 row_copy(h_next, h_prev, width, like)
                                 if bf16:
-                                    row_copy(h16_rows + ((nxt * N + n) * h16.shape[3] + j0) * 2,
-                                             h16_rows + ((prev * N + n) * h16.shape[3] + j0) * 2,
-                                             width, zero16)
+                                    row_copy(h16_next, h16_prev, width, zero16)
                                 if has_c:
                                     row_copy(c_next, c_prev, width, like)
                                 row_zero(y_row, width, like)
@@ -304,8 +304,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                             h_new = trow + _H * PANEL * itemsize      # scatter
                             row_copy(h_next, h_new, width, like)
                             if bf16:   # h_t rounded, for the next step's product
-                                row_round(h16_rows + ((nxt * N + n) * h16.shape[3] + j0) * 2,
-                                          h_new, width)
+                                row_round(h16_next, h_new, width)
                             row_copy(y_row, h_new, width, like)
                             if has_c:
                                 row_copy(c_next, trow + _C * PANEL * itemsize, width, like)
