@@ -7,7 +7,11 @@ units compiles to AVX2 code. Each is written for the argument's own precision:
 
     exp      Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, then a Taylor
              polynomial in r (degree 7 for float32, 12 for float64: truncation below
-             half an ulp) scaled by 2**n built from its exponent bits.
+             half an ulp) scaled by 2**n built from its exponent bits. The reduction and
+             Horner's steps are FMAs (_fma: Numba itself emits a*b + c as a multiply and
+             an add): float32 exp's largest error 1.19 -> 0.91 ulp, and a vectorised
+             LSTM cell 32.6 -> 21.5 ns per 16 units.
+             Measured: bench/results/cpu-kernel-notes.md#cells-exp-on-fmas
     sigmoid  1 / (1 + exp(-x)): no cancellation, relative error ~2 ulp.
     tanh     sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): absolute error ~2 ulp of 1
              (relative error grows like ulp/|x| as x -> 0; the cells' tolerances are
@@ -29,6 +33,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 __all__ = ["fast_exp", "sigmoid", "tanh", "one_like", "select", "zero_like"]
@@ -108,18 +113,37 @@ def _select_overload(cond, a, b):
     return None
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c as `llvm.fmuladd`: one FMA where the CPU has one (one rounding), else a
+    multiply and an add. Numba emits `a * b + c` as two instructions (it allows no
+    contraction), which doubled exp's polynomial; the loop vectoriser widens the
+    intrinsic as it does the arithmetic."""
+    if not (a == b == c and a in (types.float32, types.float64)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t = args[0].type
+        name = "llvm.fmuladd.f32" if a == types.float32 else "llvm.fmuladd.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
+        return builder.call(fn, list(args))
+
+    return a(a, b, c), codegen
+
+
 def _make_exp(c, taylor):
     log2e, ln2_hi, ln2_lo, lo, hi, half, zero, inf = (
         c[k] for k in ("log2e", "ln2_hi", "ln2_lo", "lo", "hi", "half", "zero", "inf"))
+    ln2_hi, ln2_lo = -ln2_hi, -ln2_lo   # (negated here: r = x - n*ln2 as two FMAs)
 
     def exp_impl(x):
         # NaN fails every comparison and flows through the arithmetic.
         xc = select(x < lo, lo, select(x > hi, hi, x))
-        n = np.floor(xc * log2e + half)
-        r = (xc - n * ln2_hi) - n * ln2_lo
+        n = np.floor(_fma(xc, log2e, half))
+        r = _fma(n, ln2_lo, _fma(n, ln2_hi, xc))
         p = taylor[0]
         for k in nb.literal_unroll(taylor[1:]):
-            p = p * r + k
+            p = _fma(p, r, k)
         y = p * _pow2(n, xc)
         return select(x < lo, zero, select(x > hi, inf, y))
     return exp_impl

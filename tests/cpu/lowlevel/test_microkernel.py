@@ -237,13 +237,18 @@ _STACK_RELOAD = re.compile(r"^\s*\w+\s.*\(%rsp\)", re.M)
 
 
 def _tile_loops(asm):
-    """Each labelled block up to its first jump (the loop's back edge; what follows it
-    runs once, after the loop), kept where it holds at least 8 FMAs."""
-    blocks, current = [], None
+    """Each labelled block of a tile's function (fusedrnn_tile*) up to its first jump (the
+    loop's back edge; what follows it runs once, after the loop), kept where it holds at
+    least 8 FMAs. (The kernel's own blocks are not tiles: its cell math has FMAs too.)"""
+    blocks, current, in_tile = [], None, False
     for line in asm.splitlines():
-        if re.match(r"^[.\w$]+:", line):
-            current = []
-            blocks.append(current)
+        label = re.match(r"^([.\w$]+):", line)
+        if label:
+            if not label.group(1).startswith(".L"):   # a function's own label
+                in_tile = label.group(1).startswith("fusedrnn_tile")
+            current = [] if in_tile else None
+            if in_tile:
+                blocks.append(current)
         elif current is not None:
             current.append(line)
             if re.match(r"^\s*j\w+\s", line):
