@@ -20,7 +20,8 @@ variant's results are wrong by design: compare times only. Variants:
 With --backward: base, no_cell, no_gemm (the product dh_rec = dg @ W_h skipped) and
 gemm_only. --dtype bfloat16 times the vdpbf16ps layer (FusedLayer(bf16=True)) on
 bfloat16 data.
-Prints the median and minimum milliseconds per call of each. The variants are compiled
+Prints the median and minimum milliseconds per call of each, and the median over rounds
+of its time over the first variant's in the same round. The variants are compiled
 in this process, so they run Numba's first-optimised prange body, where a process that
 loads the kernel from the disk cache runs the twice-optimised copy (fused.py's note above
 _make_layer_backward): time the op from the cache too (a second process) before a
@@ -48,7 +49,7 @@ _CELL_BACKWARD = ("                            for u in range(lanes):      # the
                   "                                dx0, dx1")
 _GEMM = ("                    elif not single_step:\n"
          "                        if pair == 2")
-_GEMM_BF16 = "                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16): W_x x_t into the\n"
+_GEMM_BF16 = "                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16), each starting\n"
 _GEMM_BACKWARD = ("                    if step > 0 and bf16:   # the same product from bfloat16 pairs\n",
                   "                    elif step > 0:\n")
 _SAMPLES_BACKWARD = ("                        for n in range(N):\n"
@@ -155,8 +156,13 @@ def main():
                 times[name].append(spent[0] * 1e3 / args.block)
     print(f"{args.mode} {dtype} T,N,I,H={args.shape} {direction} loop alone, "
           f"{args.rounds} interleaved rounds:")
+    first = times[names[0]]
     for name, t in times.items():
-        print(f"  {name:16s} median {statistics.median(t):7.1f} ms   min {min(t):7.1f} ms")
+        # Paired: each round's time over the first variant's in the same round, so that the
+        # machine's drift between rounds (seconds apart) cancels; the median of those.
+        paired = statistics.median(v / f for v, f in zip(t, first))
+        print(f"  {name:16s} median {statistics.median(t):7.1f} ms   min {min(t):7.1f} ms"
+              f"   x {names[0]} {paired:.3f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ each weight is used once and packing it would cost more than the product.
 
 layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
               clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16, wpairs,
-              x16, wxpairs, counters, workers)
+              x16, wxpairs, bias_rows, counters, workers)
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias; this one at d*G*H
                                  (empty where x16 is given)
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
@@ -45,6 +45,9 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                                  (0, 0) else
     wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
                                  (as wpairs; empty where x16 is)
+    bias_rows (2, B, G, 16)  in  the bf16 layer's bx (0) and bh (1) by block, zero past H
+                                 (bias_rows_of): its products start from them; (0, 0, 0,
+                                 0) else (bx and bh are read there)
     counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All arrays C-contiguous and of one dtype (lengths, counters, the bf16 layer's bits
@@ -63,8 +66,8 @@ from ..config import CELLS
 from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_counters,
                        pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
-                       panel_gemm_bf16, panel_gemm_t, panels, project, project_bf16,
-                       project_widened, round_rows, row_add, row_add3, row_copy, row_round,
+                       panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
+                       project_bf16, project_widened, round_rows, row_add, row_add3, row_copy, row_round,
                        row_zero, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
@@ -158,10 +161,14 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     # to that block's tile (and group _X + 1 its W_x x_t, where the bf16 layer fuses it).
     # Measured: bench/results/cpu-kernel-notes.md#fused-one-gate-blocks-in-pairs
     per = 2 if gates == 1 and not single_step else 1
+    # The bf16 products start from the biases (bias_rows, by block as the panels are), so
+    # the tile's rows need no pass adding b_x and b_h after them: the loop alone, T=100
+    # N=128 I=H=256, LSTM 18.8 -> 17.7 ms, GRU 14.1 -> 13.1 (the design size level).
+    # Measured: bench/results/cpu-kernel-notes.md#bf16-products-that-start-from-the-biases
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                       clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16,
-                      wpairs, x16, wxpairs, counters, workers):
+                      wpairs, x16, wxpairs, bias_rows, counters, workers):
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
@@ -204,8 +211,10 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         break
                     done += 1
                     first = q * pair
-                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16): W_x x_t into the
-                        # X groups where the loop takes it (fuses_x), then W_h h_{t-1}
+                    if bf16:   # vdpbf16ps's products (FusedLayer.bf16), each starting
+                        # from its bias (note above _make_layer_forward): W_x x_t + b_x into
+                        # the X groups where the loop takes it (fuses_x), then W_h h_{t-1}
+                        # + b_h into R
                         for part in range(0 if fuses_x else 1, 2):
                             if part == 0:
                                 a, lda, w = x16.ctypes.data + t * N * kpx * 4, kpx, wxpairs
@@ -214,13 +223,15 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 a = h16_rows + prev * N * kp * 4
                                 lda, w, group = kp, wpairs, _R
                             c = tiles[first].ctypes.data + group * PANEL * itemsize
+                            bias = bias_rows[part, first].ctypes.data   # (PANEL apart)
                             if pair == 2 and first + 1 < blocks:
-                                panel_gemm_bf16(a, lda, N, w[first, 0].ctypes.data, lda * PANEL,
-                                                2, c, row, lda)
+                                panel_gemm_bf16_bias(a, lda, N, w[first, 0].ctypes.data,
+                                                     lda * PANEL, 2, c, row, lda, bias, PANEL)
                                 _hand_over(tiles, first, N, group, like)
                             else:
-                                panel_gemm_bf16(a, lda, N, w[first, 0].ctypes.data, lda * PANEL,
-                                                gates, c, row, lda)
+                                panel_gemm_bf16_bias(a, lda, N, w[first, 0].ctypes.data,
+                                                     lda * PANEL, gates, c, row, lda, bias,
+                                                     PANEL)
                     elif not single_step:
                         if pair == 2 and first + 1 < blocks:
                             # Two one-gate blocks in one product (note above
@@ -279,10 +290,14 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 r_g = trow + (_R + g) * PANEL * itemsize
                                 x_g = trow + (_X + g) * PANEL * itemsize
                                 unit = g * H + j0
-                                row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width, like)
-                                x_in = x_g if single_step or fuses_x else xproj.ctypes.data + (
-                                    sample * xproj.shape[2] + x_col + unit) * itemsize
-                                row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width, like)
+                                if not bf16:   # (bf16: the products added the biases)
+                                    row_add(r_g, r_g, bh.ctypes.data + unit * itemsize, width,
+                                            like)
+                                if not (bf16 and fuses_x):
+                                    x_in = x_g if single_step else xproj.ctypes.data + (
+                                        sample * xproj.shape[2] + x_col + unit) * itemsize
+                                    row_add(x_g, x_in, bx.ctypes.data + unit * itemsize, width,
+                                            like)
                             if reads_h:
                                 row_copy(trow + _HP * PANEL * itemsize, h_prev, width, like)
                             if has_c:   # (the other cells never read c_prev)
@@ -526,6 +541,20 @@ FUSED_INPUT_ROWS = 8
 SERIAL_POINTWISE = 1 << 14
 
 
+def bias_rows_of(bx, bh, out):
+    """bx and bh (G*H,) by block, the bf16 loop's bias rows: out (2, B, G, 16), out[0, b, g]
+    = bx[g*H + 16b : +16] (bh in out[1]), zero past H. Returns out."""
+    B, G = out.shape[1], out.shape[2]
+    H, full = bx.shape[0] // G, bx.shape[0] // G // PANEL
+    for k, b in enumerate((bx, bh)):
+        by_gate, o = b.reshape(G, H), out[k].transpose(1, 0, 2)   # o: (G, B, 16), a view
+        o[:, :full] = by_gate[:, :full * PANEL].reshape(G, full, PANEL)
+        if full < B:   # the partial block
+            o[:, full] = 0
+            o[:, full, :H - full * PANEL] = by_gate[:, full * PANEL:]
+    return out
+
+
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK: the
     recurrence's FusedLayer protocol, with its InputProjection and SingleStep forms.
@@ -583,6 +612,7 @@ class FusedLayer:
         self._no_h16 = np.empty((0, 0, 0, 0), np.uint16)
         self._no_pairs = np.empty((0, 0, 0, 0), np.uint32)
         self._no_x16 = np.empty((0, 0), np.uint32)
+        self._no_bias_rows = np.empty((0, 0, 0, 0), self.dtype)
         self._no_rows = np.empty((1, 0), np.uint32)   # (w_rows: one row, as it is indexed)
         self._backward, self._backward_serial = (
             _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel,
@@ -610,6 +640,7 @@ class FusedLayer:
                 "wpairs": (panels(H) if pairs else 0, config.cell.gates, kp_h, PANEL),
                 "h16": (D if pairs else 0, steps + 1, batch, kp_h),
                 "x16": (steps * batch if pairs else 0, kp_x),
+                "bias_rows": (2 if pairs else 0, panels(H), config.cell.gates, PANEL),
                 # the projection's W_x of both directions; fusing, one direction's by block
                 "wx_pairs": (max(panels(D * GH), panels(H) * config.cell.gates) * kp_x * PANEL
                              if pairs else 0,),
@@ -715,15 +746,18 @@ class FusedLayer:
             if h16.shape[3] != hs.shape[3]:   # odd H: the pad of every row multiplies 0
                 h16[d, :, :, hs.shape[3]:] = 0
             wpack = self._no_wpack
+            bias_rows = bias_rows_of(bx, bh, scratch.bias_rows)
         else:
             pack_recurrent(w_h, self.gates, wpack)
+            bias_rows = self._no_bias_rows
         scalar = self.dtype.type
         share = _workshare(hs.shape[1] - 1, tiles.shape[0])
         with LAUNCH_LOCK:
             self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
                           scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
                           self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels, self._no_rows, h16, wpairs, x16, wxpairs, *share)
+                          self._no_panels, self._no_rows, h16, wpairs, x16, wxpairs,
+                          bias_rows, *share)
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: in the layer's dtype, or with
@@ -771,7 +805,7 @@ class FusedLayer:
                    scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
                    w_x, w_h, scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
                    h_cols, w_rows, self._no_h16, self._no_pairs, self._no_x16,
-                   self._no_pairs, *share)
+                   self._no_pairs, self._no_bias_rows, *share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):

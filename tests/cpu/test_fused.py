@@ -533,6 +533,22 @@ def test_bfloat16_layer_multiplies_the_input_in_its_loop_from_fused_input_rows(m
         assert op.scratch.xproj.shape == (0 if fuses else T * N, 2 * G * H)
 
 
+@pytest.mark.parametrize("G, H", [(4, 32), (3, 20), (1, 5)])
+def test_bias_rows_hold_each_blocks_biases_zero_past_h(G, H):
+    """bias_rows_of: out[k, b, g] = the 16 biases of gate g's units 16b.. (b_x for k=0,
+    b_h for 1), and zero past H in a partial last block: every element written."""
+    rng = np.random.default_rng([G, H])
+    bx, bh = (rng.standard_normal(G * H).astype(np.float32) for _ in range(2))
+    B = -(-H // 16)
+    out = fused.bias_rows_of(bx, bh, np.full((2, B, G, 16), np.nan, np.float32))
+    for k, b in enumerate((bx, bh)):
+        padded = np.zeros((G, B * 16), np.float32)
+        padded[:, :H] = b.reshape(G, H)
+        for block in range(B):
+            for g in range(G):
+                assert np.array_equal(out[k, block, g], padded[g, 16 * block:16 * block + 16])
+
+
 def _prange_library(library, seen):
     """The library Numba compiled a kernel's prange body into, among those it links."""
     if id(library) in seen:

@@ -23,6 +23,11 @@ panel_gemm_bf16_cols(...)  the same with A stored by columns: (kp, rows) uint32,
     pairs, bf16gemm.interleave_rows, with no transposing copy).
 panel_gemm_bf16_cols_acc(...)  the by-columns product adding A @ B to C (its tiles start
     from C's values, not zero): a long k in blocks (bf16gemm.K_BLOCK).
+panel_gemm_bf16_bias(a, lda, rows, panel, pstride, npanels, c, ldc, kp, bias, bstride)
+    C = A @ [panel_0 ..] + the panels' bias rows: panel j's 16 float32 at bias + j*bstride
+    floats, added to every row of C (the sums start from them), 16 readable floats each
+    (a partial block's row padded); no overlap with C. The fused loop's products
+    (fused.py): the bias comes in with the product, not as a pass over the tile after it.
 Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
 select the instruction, and the callers must not compile this.
 """
@@ -41,8 +46,8 @@ from numba.extending import intrinsic
 
 from .microkernel import PANEL, _function, emit_tiled_product, k_split, panel_count
 
-__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_cols",
-           "panel_gemm_bf16_cols_acc"]
+__all__ = ["HAS_BF16", "pack_pairs", "panel_gemm_bf16", "panel_gemm_bf16_bias",
+           "panel_gemm_bf16_cols", "panel_gemm_bf16_cols_acc"]
 
 
 def _has_bf16():
@@ -80,10 +85,12 @@ def _link_helper(context):
         active.add_linking_library(lib)
 
 
-def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_columns,
+def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *biased, rows, group, by_columns,
                accumulate):
     """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts), or with
-    accumulate C += A @ B; A by columns where by_columns."""
+    accumulate C += A @ B; A by columns where by_columns. With `biased` (the bias row's
+    address and the stride between the panels' rows, in floats) the sums also start from
+    panel j's bias row, the same for every row of the tile."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     u32, f32 = ir.IntType(32), ir.FloatType()
@@ -102,10 +109,20 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
     # cover its latency, and the backward loop's one-panel products ran at half speed.
     # Measured: bench/results/cpu-kernel-notes.md#bf16-one-panel-tiles-split-their-sums
     split = k_split(rows, group, 1)
-    acc = [[[cgutils.alloca_once_value(
-        builder, builder.load(c_at(r, j), align=4) if accumulate and s == 0
-        else ir.Constant(f32v, None)) for s in range(split)]
-        for j in range(group)] for r in range(rows)]
+    start = [None] * group
+    if biased:
+        bias_ptr = builder.inttoptr(biased[0], f32.as_pointer())
+        start = [builder.load(builder.bitcast(builder.gep(bias_ptr, [builder.mul(
+            const(j), biased[1])]), f32v.as_pointer()), align=4) for j in range(group)]
+
+    def first(r, j):
+        value = builder.load(c_at(r, j), align=4) if accumulate else None
+        if start[j] is not None:
+            value = start[j] if value is None else builder.fadd(value, start[j])
+        return ir.Constant(f32v, None) if value is None else value
+    acc = [[[cgutils.alloca_once_value(builder, first(r, j) if s == 0
+                                       else ir.Constant(f32v, None)) for s in range(split)]
+            for j in range(group)] for r in range(rows)]
     splat = ir.Constant(ir.VectorType(u32, 16), [0] * 16)
     undef = ir.Constant(u32v, ir.Undefined)
 
@@ -139,49 +156,61 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *, rows, group, by_c
             builder.store(total, c_at(r, j), align=4)
 
 
-def _suffix(by_columns, accumulate):
-    return "_bf16" + ("c" if by_columns else "") + ("a" if accumulate else "")
+def _suffix(by_columns, accumulate, biased=False):
+    return "_bf16" + ("c" if by_columns else "") + ("a" if accumulate else "") + (
+        "b" if biased else "")
 
 
-def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *, npanels, by_columns,
-               accumulate):
+def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *biased, npanels,
+               by_columns, accumulate):
     """microkernel.emit_tiled_product over the bfloat16 tiles: the float32 tiles' shapes
-    (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C)."""
-    suffix = _suffix(by_columns, accumulate)
+    (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C);
+    `biased`: the bias row's address and stride (_emit_tile)."""
+    suffix = _suffix(by_columns, accumulate, bool(biased))
 
     def tile(h, group):
-        return _function(builder.module, f"fusedrnn_tile{h}x{group}{suffix}", a.type, 7,
+        return _function(builder.module, f"fusedrnn_tile{h}x{group}{suffix}", a.type,
+                         7 + len(biased),
                          functools.partial(_emit_tile, rows=h, group=group,
                                            by_columns=by_columns, accumulate=accumulate))
     emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, kp, npanels=npanels,
                        dtype=np.float32, itemsize=4, transposed=False, tile=tile,
-                       a_by_columns=by_columns)
+                       a_by_columns=by_columns, bias=biased or None)
 
 
-def _panel_gemm(by_columns, accumulate=False):
-    name = "panel_gemm_bf16" + ("_cols" if by_columns else "") + ("_acc" if accumulate else "")
+def _panel_gemm(by_columns, accumulate=False, biased=False):
+    name = "panel_gemm_bf16" + ("_cols" if by_columns else "") + (
+        "_bias" if biased else "") + ("_acc" if accumulate else "")
 
-    def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
-        count = panel_count(name, (a, lda, rows, panel, pstride, c, ldc, kp), npanels)
+    def typed(a, lda, rows, panel, pstride, npanels, c, ldc, kp, *bias):
+        count = panel_count(name, (a, lda, rows, panel, pstride, c, ldc, kp) + bias, npanels)
         if count is None:
             return None
         if not HAS_BF16:
             raise NotImplementedError(f"{name}: this CPU has no AVX512-BF16")
+        integer = [i for i in range(9 + len(bias)) if i != 5]   # all but npanels
 
         def codegen(context, builder, signature, args):
             _link_helper(context)
             ints = [context.cast(builder, args[i], signature.args[i], types.intp)
-                    for i in (0, 1, 2, 3, 4, 6, 7, 8)]
+                    for i in integer]
             fn = _function(builder.module,
-                           f"fusedrnn_gemm{count}{_suffix(by_columns, accumulate)}",
-                           ints[0].type, 8, functools.partial(_emit_gemm, npanels=count,
-                                                              by_columns=by_columns,
-                                                              accumulate=accumulate))
+                           f"fusedrnn_gemm{count}{_suffix(by_columns, accumulate, biased)}",
+                           ints[0].type, len(ints), functools.partial(
+                               _emit_gemm, npanels=count, by_columns=by_columns,
+                               accumulate=accumulate))
             builder.call(fn, ints)
             return context.get_dummy_value()
 
-        return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, kp), codegen
+        return types.void(a, lda, rows, panel, pstride, npanels, c, ldc, kp, *bias), codegen
 
+    # (Numba's intrinsics take no *args: one typer per arity)
+    if biased:
+        def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp, bias, bstride):
+            return typed(a, lda, rows, panel, pstride, npanels, c, ldc, kp, bias, bstride)
+    else:
+        def typer(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, kp):
+            return typed(a, lda, rows, panel, pstride, npanels, c, ldc, kp)
     typer.__name__ = name
     return intrinsic(typer)
 
@@ -189,6 +218,7 @@ def _panel_gemm(by_columns, accumulate=False):
 panel_gemm_bf16 = _panel_gemm(False)
 panel_gemm_bf16_cols = _panel_gemm(True)
 panel_gemm_bf16_cols_acc = _panel_gemm(True, accumulate=True)
+panel_gemm_bf16_bias = _panel_gemm(False, biased=True)
 
 
 def pack_pairs(b):

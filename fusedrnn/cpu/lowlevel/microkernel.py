@@ -251,7 +251,7 @@ def _function(module, name, intp, nargs, emit):
 
 
 def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
-                       itemsize, transposed, tile, a_by_columns=False):
+                       itemsize, transposed, tile, a_by_columns=False, bias=None):
     """The whole product over `rows` rows and `npanels` panels: the panels in balanced
     groups (panels_per_tile(dtype)), each group's rows in balanced tiles (20 rows: 4 x 5,
     not 6+6+6+2: a thin tail tile does a fraction of a full one's FMAs per panel load),
@@ -259,7 +259,9 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
     height. `itemsize` is the byte size of A's, the panels' and C's elements (bf16.py's
     uint32 pairs too). With `a_by_columns` A is stored transposed (row r of A is column r
     of the array, lda apart per k): a tile's rows start r elements in, not r*lda.
-    Shared by this file's kernels and bf16.py's."""
+    With `bias` (address, stride: intp values, the stride in elements between the panels'
+    16-element bias rows) each tile is called with two more arguments, the bias row of its
+    group's first panel and the stride. Shared by this file's kernels and bf16.py's."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
@@ -273,6 +275,10 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
         # The group's first column of C, or with `transposed` its first row of C^T.
         group_c = builder.add(c, builder.mul(const(first * PANEL * itemsize),
                                              ldc if transposed else const(1)))
+        extra = []
+        if bias is not None:   # the group's first bias row, and the stride
+            extra = [builder.add(bias[0], builder.mul(builder.mul(const(first), bias[1]),
+                                                      const(itemsize))), bias[1]]
         with cgutils.for_range(builder, tiles) as loop:
             r = builder.load(done)
             height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
@@ -286,7 +292,8 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
                 case = fn.append_basic_block()
                 switch.add_case(const(h), case)
                 with builder.goto_block(case):
-                    builder.call(tile(h, group), [a_r, lda, group_panel, pstride, c_r, ldc, k])
+                    builder.call(tile(h, group),
+                                 [a_r, lda, group_panel, pstride, c_r, ldc, k] + extra)
                     builder.branch(after)
             builder.position_at_end(after)
             builder.store(builder.add(r, height), done)

@@ -58,6 +58,39 @@ def test_bf16_tile_matches_float64(rows, K, npanels):
     assert np.isnan(c[:, npanels * PANEL:]).all(), "padding columns of C were written"
 
 
+@functools.cache
+def biased_driver(npanels):
+    @nb.njit
+    def run(a, lda, rows, panels, c, bias):
+        bf16.panel_gemm_bf16_bias(a.ctypes.data, lda, rows, panels.ctypes.data,
+                                  panels.shape[1] * PANEL, npanels, c.ctypes.data, c.shape[1],
+                                  panels.shape[1], bias.ctypes.data, bias.shape[1])
+    return run
+
+
+@needs_bf16
+@pytest.mark.parametrize("npanels", [1, 2, 4, 5])
+@pytest.mark.parametrize("rows", [1, 5, 7, 20])
+def test_biased_tile_starts_from_each_panels_bias_row(rows, npanels):
+    """panel_gemm_bf16_bias: C = A @ B + panel j's bias row (bias + j*bstride floats) on
+    every row; bias rows here 24 floats apart, NaN between them (never read)."""
+    K = 9
+    rng = np.random.default_rng([rows, npanels, 7])
+    a_bits = to_bf16_bits(rng.standard_normal((rows, K)))
+    b_bits = to_bf16_bits(rng.standard_normal((K, npanels * PANEL)))
+    kp = -(-K // 2)
+    a_rows = np.zeros((rows, 2 * kp), np.uint16)
+    a_rows[:, :K] = a_bits
+    bias = np.full((npanels, PANEL + 8), np.nan, np.float32)
+    bias[:, :PANEL] = rng.standard_normal((npanels, PANEL)) * 10
+    c = np.full((rows, npanels * PANEL + C_PAD), np.nan, np.float32)
+    biased_driver(npanels)(a_rows.view(np.uint32), kp, rows, bf16.pack_pairs(b_bits), c, bias)
+    want = (from_bf16_bits(a_bits).astype(np.float64)
+            @ from_bf16_bits(b_bits).astype(np.float64)) + bias[:, :PANEL].reshape(-1)
+    assert np.max(np.abs(c[:, :npanels * PANEL] - want)) <= 1e-6 * K * np.max(np.abs(want))
+    assert np.isnan(c[:, npanels * PANEL:]).all(), "padding columns of C were written"
+
+
 def test_pack_pairs_layout():
     """Panel p, pair q, column j holds B[2q, 16p + j] (low half) and B[2q+1, 16p + j]
     (high half); an odd K and a partial last panel are zero-padded."""
