@@ -11,7 +11,9 @@ into a small tile that stays in cache (the bfloat16 layer, from N=8, also W_x x_
 W_x's panels: FusedLayer.fuses_input), and applies the cell's pointwise math (units.py)
 to it at once. The step's other inputs (W_x x_t otherwise, biases, h_{t-1}, c_{t-1})
 come into the tile, and the results go out, as 16-element vector rows (lowlevel/rows.py,
-and why not element by element). No per-step Python, no allocation in the loop.
+and why not element by element); the bfloat16 layer's products start from the biases
+instead (b_x as a row still, where it reads xproj). No per-step Python, no allocation in
+the loop.
 
 Used for every cell without a projection (the projected LSTM keeps the generic path).
 At T=1 (a decoder step) a second form of the same kernel, FusedLayer.forward_single,
@@ -46,8 +48,9 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
                                  (as wpairs; empty where x16 is)
     bias_rows (2, B, G, 16)  in  the bf16 layer's bx (0) and bh (1) by block, zero past H
-                                 (bias_rows_of): its products start from them; (0, 0, 0,
-                                 0) else (bx and bh are read there)
+                                 (bias_rows_of): its products start from them (bias_rows[0]
+                                 where x16 is given; with xproj the loop adds bx to it);
+                                 (0, 0, 0, 0) else, where the loop adds bx and bh
     counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All arrays C-contiguous and of one dtype (lengths, counters, the bf16 layer's bits
@@ -67,8 +70,8 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
                        pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
                        panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
-                       project_bf16, project_widened, round_rows, row_add, row_add3, row_copy, row_round,
-                       row_zero, zero_like)
+                       project_bf16, project_widened, round_rows, row_add, row_add3, row_copy,
+                       row_round, row_zero, zero_like)
 from .threads import LAUNCH_LOCK
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -163,7 +166,8 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     per = 2 if gates == 1 and not single_step else 1
     # The bf16 products start from the biases (bias_rows, by block as the panels are), so
     # the tile's rows need no pass adding b_x and b_h after them: the loop alone, T=100
-    # N=128 I=H=256, LSTM 18.8 -> 17.7 ms, GRU 14.1 -> 13.1 (the design size level).
+    # N=128 I=H=256, the median of each round's time over the pass's: LSTM 0.972, GRU
+    # 0.984, rnn_tanh 0.965; the design size's LSTM 0.990.
     # Measured: bench/results/cpu-kernel-notes.md#bf16-products-that-start-from-the-biases
 
     def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,

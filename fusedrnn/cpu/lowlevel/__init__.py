@@ -11,7 +11,7 @@ submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu use
                  row moves (row_round: float32 to bfloat16 bits)
     workshare    claim, finish, new_counters: the steps' blocks shared in one region
     mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math
-    bf16         HAS_BF16, panel_gemm_bf16 (and its forms that start from a bias),
+    bf16         HAS_BF16, panel_gemm_bf16 (and its form that starts from a bias),
                  pack_pairs: the AVX512-BF16 register tile (vdpbf16ps) and its panel layout
     bf16gemm     bf16_bits, round_rows, interleave_rows, widen, narrow,
                  pack_recurrent_pairs, pack_input_pairs, pack_k_pairs, project_bf16: the
@@ -55,7 +55,8 @@ __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f
            "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
            "pack_k_pairs", "pack_pairs", "pack_panel", "pack_recurrent",
            "pack_recurrent_pairs", "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16",
-           "panel_gemm_bf16_bias", "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
+           "panel_gemm_bf16_bias", "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project",
+           "project_bf16",
            "project_widened", "round_rows", "row_add", "row_add3", "row_copy",
            "row_round", "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen", "widen_f16",
            "zero_like"]

@@ -16,6 +16,8 @@ import numba as nb
 import numpy as np
 import pytest
 
+import fusedrnn
+
 from fusedrnn.cpu.lowlevel import gemm
 from fusedrnn.cpu.lowlevel import pack_input_weights, pack_recurrent, pack_recurrent_rows
 from fusedrnn.cpu.lowlevel import microkernel as mk
@@ -232,14 +234,29 @@ def test_any_tile_height_up_to_the_tallest_computes_and_taller_is_refused():
 # The tile's k-loop in the asm of a kernel that uses it: a block holding at least 8 FMAs.
 # Any stack operand there (a reloaded address, a spilled accumulator) is memory traffic
 # the loop did not need.
-_FMA = re.compile(r"^\s*vfmadd\w*\s", re.M)
+_FMA = re.compile(r"^\s*(vfmadd\w*|vdpbf16ps)\s", re.M)   # (the bfloat16 tiles': vdpbf16ps)
 _STACK_RELOAD = re.compile(r"^\s*\w+\s.*\(%rsp\)", re.M)
+
+
+def _tile_blocks(asm):
+    """The text of each tile function (fusedrnn_tile*): its label to the next function's."""
+    functions, current = [], None
+    for line in asm.splitlines():
+        label = re.match(r"^([.\w$]+):", line)
+        if label and not label.group(1).startswith(".L"):   # a function's own label
+            current = [] if label.group(1).startswith("fusedrnn_tile") else None
+            if current is not None:
+                functions.append(current)
+        if current is not None:
+            current.append(line)
+    return ["\n".join(f) for f in functions]
 
 
 def _tile_loops(asm):
     """Each labelled block of a tile's function (fusedrnn_tile*) up to its first jump (the
     loop's back edge; what follows it runs once, after the loop), kept where it holds at
-    least 8 FMAs. (The kernel's own blocks are not tiles: its cell math has FMAs too.)"""
+    least 8 FMAs (or vdpbf16ps). (The kernel's own blocks are not tiles: its cell math has
+    FMAs too.)"""
     blocks, current, in_tile = [], None, False
     for line in asm.splitlines():
         label = re.match(r"^([.\w$]+):", line)
@@ -260,15 +277,29 @@ def _tile_loops(asm):
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
 @pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward",
                                     "fused forward lstm", "fused forward gru float64",
-                                    "fused single step lstm"])
+                                    "fused single step lstm", "fused forward bf16 lstm"])
 def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
     from the stack per unrolled pair of k, and 2-7 in the fused loop. Fails if the tile is
-    inlined again."""
+    inlined again. The bfloat16 loop's tiles (vdpbf16ps; their biased form has 9
+    arguments, 3 on the stack) too, and none of its products outside a tile."""
     from fusedrnn.cpu import fused
+    from fusedrnn.cpu.lowlevel import HAS_BF16
     rng = np.random.default_rng(3)
-    if kernel.startswith("projection"):
+    if "bf16" in kernel:
+        if not HAS_BF16:
+            pytest.skip("the CPU has no AVX512-BF16")
+        import ml_dtypes
+        T, N, H = 3, fused.FUSED_INPUT_ROWS, 16   # N: the loop multiplies W_x x_t too
+        params = rng.standard_normal(fusedrnn.param_size(mode="lstm", input_size=H,
+                                                         state_size=H)) * 0.1
+        fusedrnn.RNN(rng.standard_normal((T, N, H)).astype(ml_dtypes.bfloat16),
+                     params.astype(ml_dtypes.bfloat16), state_size=H, num_layers=1, mode="lstm")
+        dispatcher = fused.fused_layer("lstm", np.float32, bf16=True)._forward
+        assert dispatcher.signatures, f"{kernel}: the call did not launch it"
+        signature = dispatcher.signatures[0]
+    elif kernel.startswith("projection"):
         dtype = np.float64 if kernel.endswith("float64") else np.float32
         a = rng.standard_normal((40, 24)).astype(dtype)
         w = rng.standard_normal((48, 24)).astype(dtype)
@@ -296,6 +327,9 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     assert re.search(r"^fusedrnn_tile\w+:", asm, re.M), f"{kernel}: the tiles were inlined"
     loops = _tile_loops(asm)
     assert loops, f"{kernel}: no tile k-loop found in the asm"
+    if "bf16" in kernel:   # every vdpbf16ps in a tile's function (none inlined)
+        in_tiles = sum(f.count("vdpbf16ps") for f in _tile_blocks(asm))
+        assert in_tiles and asm.count("vdpbf16ps") == in_tiles, f"{kernel}: a product inlined"
     reloads = [len(_STACK_RELOAD.findall(loop)) for loop in loops]
     assert not any(reloads), f"{kernel}: stack reloads per tile k-loop {reloads}"
 
