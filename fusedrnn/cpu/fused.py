@@ -547,15 +547,11 @@ SERIAL_POINTWISE = 1 << 14
 
 def bias_rows_of(bx, bh, out):
     """bx and bh (G*H,) by block, the bf16 loop's bias rows: out (2, B, G, 16), out[0, b, g]
-    = bx[g*H + 16b : +16] (bh in out[1]), zero past H. Returns out."""
+    = bx[g*H + 16b : +16] (bh in out[1]), zero past H: each bias packed as W_h's one-column
+    twin (pack_recurrent's layout with K = 1). Returns out."""
     B, G = out.shape[1], out.shape[2]
-    H, full = bx.shape[0] // G, bx.shape[0] // G // PANEL
     for k, b in enumerate((bx, bh)):
-        by_gate, o = b.reshape(G, H), out[k].transpose(1, 0, 2)   # o: (G, B, 16), a view
-        o[:, :full] = by_gate[:, :full * PANEL].reshape(G, full, PANEL)
-        if full < B:   # the partial block
-            o[:, full] = 0
-            o[:, full, :H - full * PANEL] = by_gate[:, full * PANEL:]
+        pack_recurrent(np.ascontiguousarray(b).reshape(-1, 1), G, out[k].reshape(B, G, 1, PANEL))
     return out
 
 

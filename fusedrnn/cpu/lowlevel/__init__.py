@@ -52,11 +52,10 @@ from .float16 import f16_bits, f16_value, narrow_f16, project_widened, widen_f16
 
 __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
            "f16_value", "fast_exp", "finish", "interleave_rows", "narrow", "narrow_f16",
-           "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
-           "pack_k_pairs", "pack_pairs", "pack_panel", "pack_recurrent",
-           "pack_recurrent_pairs", "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16",
-           "panel_gemm_bf16_bias", "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project",
-           "project_bf16",
-           "project_widened", "round_rows", "row_add", "row_add3", "row_copy",
-           "row_round", "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen", "widen_f16",
+           "new_counters", "one_like", "pack_input_pairs", "pack_input_weights", "pack_k_pairs",
+           "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
+           "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_bias",
+           "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
+           "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_round",
+           "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen", "widen_f16",
            "zero_like"]
