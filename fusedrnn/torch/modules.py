@@ -2,11 +2,15 @@
 
 Same constructor and forward signature as torch.nn (input_size, hidden_size, num_layers,
 nonlinearity, bias, batch_first, dropout, bidirectional, proj_size; forward(input, hx)),
-PackedSequence and unbatched (T, I) input included; flatten_parameters() (nothing to do)
-and all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_l0,
-..., _reverse, weight_hr_l0), by name and order, so state_dicts load both ways; each call
-joins them into fusedrnn's flat vector (`weight`, one copy). Gradients are
-differentiable once: a second backward through them raises.
+PackedSequence and unbatched (T, I) input included; flatten_parameters() and
+all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...,
+_reverse, weight_hr_l0), by name and order, so state_dicts load both ways. They are views
+of one flat tensor in fusedrnn's layout (as torch.nn's are of cuDNN's buffer after
+flatten_parameters()), laid out again after .to(), a copy or unpickling: a call that
+needs no gradient for them passes that tensor as it is; a call that does, or one whose
+parameters were replaced since, joins them into fusedrnn's flat vector (`weight`, one
+copy).
+Gradients are differentiable once: a second backward through them raises.
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ class _FusedRNNBase(nn.Module):
             shape = self.layout.blocks[key][1]
             self.register_parameter(self.layout.torch_name(*key), nn.Parameter(
                 torch.empty(shape, device=device, dtype=dtype)))
+        self._flat = None
+        self.flatten_parameters()
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -112,7 +118,61 @@ class _FusedRNNBase(nn.Module):
                                   "torch.export trace them (fusedrnn::rnn)")
 
     def flatten_parameters(self):
-        """torch.nn's call before cuDNN: nothing to do, the weights are one flat vector."""
+        """Lay the parameters out again as views of one flat tensor in fusedrnn's layout
+        (torch.nn's call before cuDNN; here it spares an inference call the joining copy:
+        inference through the modules 1.125x faster over a grid, T=1 1.30x; measured:
+        bench/results/torch-modules.md#the-parameters-as-views-of-one-flat-tensor).
+        Nothing where they differ in dtype or device. The module calls it itself, on
+        construction and after _apply (.to(), .half(), .cuda(), ...)."""
+        views = self.views()
+        ps = list(views.values())
+        if any(p.dtype != ps[0].dtype or p.device != ps[0].device for p in ps) or \
+                ps[0].device.type == "meta":
+            self._flat = None
+            return
+        flat = torch.zeros(self.layout.size, dtype=ps[0].dtype, device=ps[0].device)
+        with torch.no_grad():
+            for key, p in views.items():
+                offset, shape = self.layout.blocks[key]
+                view = flat[offset:offset + p.numel()].view(shape)
+                view.copy_(p)
+                p.data = view   # (the same Parameter: optimizers keep theirs)
+        self._flat = flat
+
+    def _flat_weight(self):
+        """The flat tensor the parameters are views of, or None where one was replaced,
+        moved or reshaped since flatten_parameters (their addresses tell: the tensor is
+        alive, so nothing else can sit at them) or torch.compile traces the module."""
+        flat = getattr(self, "_flat", None)   # (absent: a module pickled before it)
+        if flat is None or torch.compiler.is_compiling():
+            return None
+        base, size = flat.data_ptr(), flat.element_size()
+        for key, p in self.views().items():
+            offset, shape = self.layout.blocks[key]
+            if p.dtype != flat.dtype or p.device != flat.device or p.shape != shape or \
+                    not p.is_contiguous() or p.data_ptr() != base + offset * size:
+                return None
+        return flat
+
+    def _call_weight(self):
+        """The flat parameter vector for a call: the one the parameters are views of where
+        no gradient for them is wanted (the values are theirs, no copy), else `weight`."""
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            flat = self._flat_weight()
+            if flat is not None:
+                return flat
+        return self.weight
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        if self._flat_weight() is None:   # (share_memory_ and the like keep the views)
+            self.flatten_parameters()
+        return module
+
+    def __setstate__(self, state):   # copy.deepcopy and unpickling copy each parameter
+        super().__setstate__(state)
+        if self._flat_weight() is None:
+            self.flatten_parameters()
 
     @property
     def all_weights(self):
@@ -151,7 +211,7 @@ class _FusedRNNBase(nn.Module):
         data = data.contiguous()
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
         has_cell = CELLS[self.mode].has_cell_state
-        outs = rnn(data, self.weight, h0, c0 if has_cell else None,
+        outs = rnn(data, self._call_weight(), h0, c0 if has_cell else None,
                    lengths if packed else None, state_outputs=True, train=self.training,
                    mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
                    bidirectional=self.bidirectional, p=self.dropout,

@@ -298,3 +298,50 @@ def test_double_backward_raises_instead_of_detaching(name):
     torch.testing.assert_close(g, plain, rtol=0, atol=0)   # the values themselves are right
     with pytest.raises(RuntimeError, match="not differentiable .no double backward"):
         torch.autograd.grad(g.sum(), x)
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_a_call_without_gradients_reads_the_parameters_in_place_and_follows_each_change(mode):
+    """The parameters are views of one flat tensor, which a call that wants no gradient for
+    them passes as it is (no joining copy). Every way of changing them shows in the next
+    such call, as torch.nn, given the same weights, computes it: in place (an optimizer's
+    step), replaced (.data, a new Parameter: the joined copy, until flatten_parameters),
+    converted, deep-copied and pickled (laid out again, each copy its own memory)."""
+    import copy
+    import io
+    kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True)
+    if CELLS[mode].projection:
+        kw["proj_size"] = 2
+    theirs, ours = pair(mode, **kw)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+
+    def check(module, flat):
+        theirs.load_state_dict(module.state_dict())
+        with torch.no_grad():
+            assert (module._call_weight() is module._flat) == flat
+            close(module(x)[0], theirs(x)[0])
+
+    check(ours, True)
+    assert ours._call_weight().grad_fn is not None   # with gradients: the joined copy
+    torch.optim.SGD(ours.parameters(), lr=0.5).zero_grad()
+    (ours(x)[0] ** 2).sum().backward()
+    torch.optim.SGD(ours.parameters(), lr=0.5).step()
+    check(ours, True)
+    ours.weight_hh_l0.data = ours.weight_hh_l0.data + 1.0
+    check(ours, False)
+    ours.flatten_parameters()
+    check(ours, True)
+    ours.bias_ih_l1_reverse = torch.nn.Parameter(torch.randn_like(ours.bias_ih_l1_reverse))
+    check(ours, False)
+    ours.float().double()
+    check(ours, True)
+    twin = copy.deepcopy(ours)
+    check(twin, True)
+    with torch.no_grad():
+        twin.weight_ih_l0.add_(1.0)
+    check(twin, True)
+    check(ours, True)   # the copy's change is its own
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    check(torch.load(buffer, weights_only=False), True)
