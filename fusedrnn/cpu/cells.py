@@ -52,7 +52,7 @@ from numba import prange
 
 from ..config import CELLS
 from .lowlevel import zero_like
-from .threads import LAUNCH_LOCK
+from .threads import LAUNCH_LOCK, serial_only, serial_twin
 from .units import BACKWARD_UNITS, FORWARD_UNITS, MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["cell_kernels"]
@@ -203,10 +203,20 @@ _FORWARD_NDIMS = (2, 2, 1, 1, 2, 2, 2, 2, 2, 2)
 _BACKWARD_NDIMS = (2,) * 12
 
 
-def _guarded(kernel):
+def _guarded(kernel, python_function):
+    """kernel's launcher, under LAUNCH_LOCK; in a process that may launch serial builds
+    only (threads.serial_only), a serial build of the same function, compiled there on
+    first use."""
+    serial = []
+
     def launch(*args):
+        build = kernel
+        if serial_only():
+            if not serial:
+                serial.append(nb.njit(cache=True, nogil=True)(serial_twin(python_function)))
+            build = serial[0]
         with LAUNCH_LOCK:
-            kernel(*args)
+            build(*args)
     launch.kernel = kernel
     return launch
 
@@ -226,7 +236,9 @@ def cell_kernels(mode: str, dtype):
                                                spec.split_gate_grads)
                 options = dict(parallel=True, cache=True, nogil=True)
                 kernels = (
-                    _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward)),
-                    _guarded(nb.njit(_signature(dtype, _BACKWARD_NDIMS), **options)(backward)))
+                    _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward),
+                             forward),
+                    _guarded(nb.njit(_signature(dtype, _BACKWARD_NDIMS), **options)(backward),
+                             backward))
                 _compiled[key] = kernels
     return kernels

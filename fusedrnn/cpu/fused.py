@@ -72,7 +72,7 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
                        project_bf16, project_widened, round_rows, row_add, row_add3, row_copy,
                        row_round, row_zero, zero_like)
-from .threads import LAUNCH_LOCK
+from .threads import LAUNCH_LOCK, pick, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["FusedLayer", "fused_layer"]
@@ -599,8 +599,10 @@ class FusedLayer:
         # past L3: the op carves none).
         # Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
         self._fuses = bf16
-        self._forward = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
-                                            self.dtype, False, bf16=bf16)
+        self._forward, self._forward_serial = (
+            _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, False,
+                                parallel=parallel, bf16=bf16)
+            for parallel in (True, False))   # (serial: threads.pick, in forked processes)
         self._forward_single = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
                                                    self.dtype, True)
         self._forward_single_serial = _make_layer_forward(
@@ -751,13 +753,14 @@ class FusedLayer:
             pack_recurrent(w_h, self.gates, wpack)
             bias_rows = self._no_bias_rows
         scalar = self.dtype.type
-        share = _workshare(hs.shape[1] - 1, tiles.shape[0])
+        serial = serial_only()
+        share = _workshare(hs.shape[1] - 1, tiles.shape[0], serial)
         with LAUNCH_LOCK:
-            self._forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                          scalar(clip_lo), scalar(clip_hi), clip_flags, self._no_weights,
-                          self._no_weights, self._no_weights, self._no_panels,
-                          self._no_panels, self._no_rows, h16, wpairs, x16, wxpairs,
-                          bias_rows, *share)
+            pick(self._forward, self._forward_serial, serial)(
+                xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths, scalar(clip_lo),
+                scalar(clip_hi), clip_flags, self._no_weights, self._no_weights,
+                self._no_weights, self._no_panels, self._no_panels, self._no_rows, h16, wpairs,
+                x16, wxpairs, bias_rows, *share)
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: in the layer's dtype, or with
@@ -790,8 +793,8 @@ class FusedLayer:
         scalar = self.dtype.type
         K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
         N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
-        serial = N * GH * (H + K) <= SERIAL_WORK
-        kernel = self._forward_single_serial if serial else self._forward_single
+        serial = N * GH * (H + K) <= SERIAL_WORK or serial_only()
+        kernel = pick(self._forward_single, self._forward_single_serial, serial)
         share = _workshare(1, tiles.shape[0], serial)
         w_x, w_h = self._weight(w_x), self._weight(w_h)
         w_rows = self._no_rows
@@ -831,8 +834,8 @@ class FusedLayer:
         T, N, GH = dy.shape[0], dy.shape[1], w_h.shape[0]
         # At T=1 the loop never multiplies by W_h (its one step takes dh_rec0), so nothing
         # is packed, and the pointwise work alone decides the build.
-        serial = T == 1 and N * GH <= SERIAL_POINTWISE
-        kernel = self._backward_serial if serial else self._backward
+        serial = (T == 1 and N * GH <= SERIAL_POINTWISE) or serial_only()
+        kernel = pick(self._backward, self._backward_serial, serial)
         wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
         if self.bf16:
             wpairs_rows = scratch.wpairs_rows.view(np.uint32)

@@ -27,6 +27,14 @@ abort without the lock), so while it is the layer, every fusedrnn kernel launch 
 LAUNCH_LOCK; the GEMMs between launches do not. With a thread-safe layer (omp, tbb)
 no lock is taken.
 
+GNU OpenMP is not fork-safe, and Numba's OpenMP layer kills (SIGTERM) a forked child
+whose parent started the pool as soon as the child opens a parallel region: a torch
+program that forks workers after running fusedrnn would lose them, and a
+multiprocessing Pool waiting on them hangs. So a process forked from one that runs the
+OpenMP layer launches every kernel's serial build instead (`pick`): the same results,
+on one core.
+Measured: bench/results/cpu-kernel-notes.md#threads-forked-processes
+
 Numba fixes its layer when its thread pool starts (the first parallel kernel, or a
 call such as numba.get_num_threads()). If that happened before this module was
 imported, the running layer stays; we use it and warn when it is one that spins (OpenMP
@@ -92,18 +100,46 @@ elif LAYER == "omp" and not _user_choice and "torch" not in sys.modules:
                   stacklevel=2)
 LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lock()
 
+_forked_from_openmp = False   # (module docstring: serial builds only)
+
+
+def _after_fork_in_child():
+    global _forked_from_openmp
+    if _running_layer() == "omp":   # (the pool ran here, or in a process this one forked from)
+        _forked_from_openmp = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def pick(parallel, serial, small=False):
+    """The build of a kernel to launch: `serial` for small work (its caller's rule), and
+    always in a process forked from one running the OpenMP layer (module docstring)."""
+    return serial if small or _forked_from_openmp else parallel
+
+
+def serial_only():
+    """Whether this process may launch serial builds only (module docstring)."""
+    return _forked_from_openmp
+
+
+def serial_twin(kernel):
+    """A copy of a kernel's Python function under its own name (qualname + "_serial"), for
+    its serial build: Numba's disk cache tells builds apart by function, not by compile
+    flags."""
+    twin = types.FunctionType(kernel.__code__, kernel.__globals__, kernel.__name__,
+                              kernel.__defaults__, kernel.__closure__)
+    twin.__qualname__ = kernel.__qualname__ + "_serial"
+    return twin
+
 
 def parallel_and_serial(kernel):
     """(parallel build, serial build) of a kernel's Python function, both cached on disk
     and compiled on first use. Small calls take the serial one: launching a parallel
     region costs tens of microseconds (lowlevel/packing.py and gemm.py give the
-    measurement). The serial build gets its own name because Numba's disk cache tells
-    builds apart by function, not by compile flags."""
-    twin = types.FunctionType(kernel.__code__, kernel.__globals__, kernel.__name__,
-                              kernel.__defaults__, kernel.__closure__)
-    twin.__qualname__ = kernel.__qualname__ + "_serial"
+    measurement); `pick` chooses."""
     return (numba.njit(parallel=True, cache=True, nogil=True)(kernel),
-            numba.njit(cache=True, nogil=True)(twin))
+            numba.njit(cache=True, nogil=True)(serial_twin(kernel)))
 
 
 class BlasOneThread:

@@ -1,6 +1,6 @@
 """fusedrnn.cpu.threads: concurrent calls from many Python threads (no abort, results
 identical to serial), the threading layer chosen (OpenMP in a torch program, workqueue
-elsewhere), and the parallel and serial builds of one kernel."""
+elsewhere), the parallel and serial builds of one kernel, and a forked child's calls."""
 import threading
 
 import numpy as np
@@ -257,3 +257,61 @@ def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threa
     finally:
         TORCH_CALLER.reset(token)
     assert _blas_threads() == two_blas_threads
+
+
+def test_a_forked_child_runs_the_op_as_its_parent_did():
+    """GNU OpenMP is not fork-safe: Numba's OpenMP layer kills a forked child of a process
+    whose pool ran as soon as it opens a parallel region (and a Pool waiting on it hangs).
+    So such a child launches serial builds only (threads.pick): here a torch program's
+    fork Pool runs every path (the fused loops at T > 1 and T = 1, forward and backward,
+    the per-step driver's cell kernels for the projected LSTM, bfloat16's pair kernels)
+    and gets its parent's results (float32: the serial cell loops are not vectorised,
+    so the last bits may differ)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = '''
+import multiprocessing as mp, numpy as np, torch, ml_dtypes, numba
+import fusedrnn
+from fusedrnn.cpu import threads
+
+def run(_=None):
+    rng, res = np.random.default_rng(0), []
+    for mode, T, N, H, P, dt in [("lstm", 20, 8, 32, None, np.float32),
+                                 ("gru", 1, 4, 24, None, np.float32),
+                                 ("lstm", 10, 3, 16, 8, np.float32),
+                                 ("rnn_tanh", 12, 8, 32, None, ml_dtypes.bfloat16)]:
+        kw = dict(mode=mode, state_size=H, num_layers=1, projection_size=P)
+        size = fusedrnn.param_size(input_size=H, **kw)
+        x = rng.standard_normal((T, N, H)).astype(dt)
+        p = (rng.standard_normal(size) * 0.2).astype(dt)
+        y, handle = fusedrnn.RNN(x, p, **kw, train=True)
+        grads = fusedrnn.rnn_backward(handle, np.ones_like(y))
+        res.append([np.asarray(a, np.float64) for a in (y, *grads) if a is not None])
+    return threads.serial_only(), res
+
+if __name__ == "__main__":
+    serial, want = run()
+    layer = numba.threading_layer()
+    with mp.get_context("fork").Pool(1) as pool:
+        # (a child killed by OpenMP's fork guard leaves this waiting: the timeout says so)
+        serial_child, got = pool.map_async(run, [0]).get(timeout=TIMEOUT)[0]
+    assert not serial and serial_child == (layer == "omp"), (layer, serial_child)
+    for case_want, case_got in zip(want, got):
+        for a, b in zip(case_want, case_got):
+            assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max(), np.abs(a - b).max()
+    print("layer", layer)
+'''
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+        has_omp = True
+    except ImportError:
+        has_omp = False
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("NUMBA_THREADING_LAYER", None)
+    # (the child compiles the serial builds it has not on disk yet: ~15 s)
+    done = subprocess.run([sys.executable, "-c", code.replace("TIMEOUT", "300")], env=env,
+                          timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"layer {'omp' if has_omp else 'workqueue'}" in done.stdout, done.stdout

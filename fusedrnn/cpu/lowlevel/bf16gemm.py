@@ -51,7 +51,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial
+from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
 from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols, panel_gemm_bf16_cols_acc
 from .gemm import CHUNK, QUAD, SERIAL_WORK
 from .microkernel import PANEL
@@ -92,7 +92,7 @@ _round_rows, _round_rows_serial = parallel_and_serial(_round_rows)
 def round_rows(src, dst):
     """dst (M, 2*kp) uint16 = src (M, K) float32 rounded to bfloat16 (docstring above)."""
     with LAUNCH_LOCK:
-        (_round_rows_serial if src.size <= SERIAL_ELEMENTS else _round_rows)(src, dst)
+        pick(_round_rows, _round_rows_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
     return dst
 
 
@@ -120,7 +120,7 @@ def interleave_rows(src, dst):
         raise ValueError(f"interleave_rows: dst {dst.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
     with LAUNCH_LOCK:
-        (_interleave_rows_serial if src.size <= SERIAL_ELEMENTS else _interleave_rows)(src, dst)
+        pick(_interleave_rows, _interleave_rows_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
     return dst
 
 
@@ -153,7 +153,7 @@ def pack_k_pairs(src, out):
         raise ValueError(f"pack_k_pairs: out {out.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
     with LAUNCH_LOCK:
-        (_pack_k_pairs_serial if src.size <= SERIAL_ELEMENTS else _pack_k_pairs)(src, out)
+        pick(_pack_k_pairs, _pack_k_pairs_serial, src.size <= SERIAL_ELEMENTS)(src, out)
     return out
 
 
@@ -185,14 +185,14 @@ _narrow, _narrow_serial = parallel_and_serial(_narrow)
 def widen(src, dst):
     """dst (float32) = src (bfloat16 bits, uint16), both flat (docstring above)."""
     with LAUNCH_LOCK:
-        (_widen_serial if src.size <= SERIAL_ELEMENTS else _widen)(src, dst.view(np.uint32))
+        pick(_widen, _widen_serial, src.size <= SERIAL_ELEMENTS)(src, dst.view(np.uint32))
     return dst
 
 
 def narrow(src, dst):
     """dst (bfloat16 bits, uint16) = src (float32) rounded, both flat (docstring above)."""
     with LAUNCH_LOCK:
-        (_narrow_serial if src.size <= SERIAL_ELEMENTS else _narrow)(src, dst)
+        pick(_narrow, _narrow_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
     return dst
 
 
@@ -236,7 +236,7 @@ def pack_recurrent_pairs(w_h, gates, out):
     above)."""
     with LAUNCH_LOCK:
         small = w_h.size <= SERIAL_ELEMENTS
-        (_pack_recurrent_pairs_serial if small else _pack_recurrent_pairs)(w_h, gates, out)
+        pick(_pack_recurrent_pairs, _pack_recurrent_pairs_serial, small)(w_h, gates, out)
     return out
 
 
@@ -265,7 +265,7 @@ def pack_input_pairs(ws, out):
             out[-1] = 0
         row0 = 0
         for w in ws:
-            (_pack_pairs_at_serial if w.size <= SERIAL_ELEMENTS else _pack_pairs_at)(
+            pick(_pack_pairs_at, _pack_pairs_at_serial, w.size <= SERIAL_ELEMENTS)(
                 w, row0, out)
             row0 += w.shape[0]
     return out
@@ -358,5 +358,5 @@ def project_bf16(a, wpack, c, spill, by_columns=False):
                          f"{wpack.shape} and c {c.shape} do not fit")
     with LAUNCH_LOCK:
         small = M * kp * 2 * c.shape[1] <= SERIAL_WORK
-        (_project_bf16_serial if small else _project_bf16)(a, wpack, c, spill, by_columns)
+        pick(_project_bf16, _project_bf16_serial, small)(a, wpack, c, spill, by_columns)
     return c

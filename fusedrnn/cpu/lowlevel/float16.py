@@ -32,7 +32,7 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial
+from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
 from .gemm import CHUNK, QUAD, SERIAL_WORK
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
@@ -109,14 +109,14 @@ _narrow_f16, _narrow_f16_serial = parallel_and_serial(_narrow_f16)
 def widen_f16(src, dst):
     """dst (float32) = src (float16 bits, uint16), both flat (docstring above)."""
     with LAUNCH_LOCK:
-        (_widen_f16_serial if src.size <= SERIAL_ELEMENTS else _widen_f16)(src, dst)
+        pick(_widen_f16, _widen_f16_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
     return dst
 
 
 def narrow_f16(src, dst):
     """dst (float16 bits, uint16) = src (float32) rounded, both flat (docstring above)."""
     with LAUNCH_LOCK:
-        (_narrow_f16_serial if src.size <= SERIAL_ELEMENTS else _narrow_f16)(src, dst)
+        pick(_narrow_f16, _narrow_f16_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
     return dst
 
 
@@ -178,6 +178,6 @@ def project_widened(a, bf16, wpack, c, spill, block):
                          f"and c {c.dtype} (float32) do not fit")
     with LAUNCH_LOCK:
         small = M * K * c.shape[1] <= SERIAL_WORK
-        (_project_widened_serial if small else _project_widened)(
+        pick(_project_widened, _project_widened_serial, small)(
             a, bool(bf16), wpack, c, spill, block[:1] if small else block)
     return c

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from numba import prange
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial
+from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
 
@@ -80,5 +80,5 @@ def project(a, wpack, c, spill):
     """c = a @ W^T with W packed by packing.pack_input_weights (module docstring)."""
     with LAUNCH_LOCK:
         small = a.shape[0] * a.shape[1] * c.shape[1] <= SERIAL_WORK
-        (_project_serial if small else _project)(a, wpack, c, spill)
+        pick(_project, _project_serial, small)(a, wpack, c, spill)
     return c

@@ -35,7 +35,7 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial
+from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
 from .microkernel import PANEL
 
 __all__ = ["pack_input_weights", "pack_panel", "pack_recurrent", "pack_recurrent_rows",
@@ -72,7 +72,7 @@ def pack_recurrent(w_h, gates, out=None):
         out = np.empty((panels(w_h.shape[0] // gates), gates, w_h.shape[1], PANEL), w_h.dtype)
     with LAUNCH_LOCK:
         small = w_h.size <= SERIAL_ELEMENTS
-        (_pack_recurrent_serial if small else _pack_recurrent)(w_h, gates, out)
+        pick(_pack_recurrent, _pack_recurrent_serial, small)(w_h, gates, out)
     return out
 
 
@@ -94,7 +94,7 @@ def pack_recurrent_rows(w_h, out=None):
         out = np.empty((panels(w_h.shape[1]), w_h.shape[0], PANEL), w_h.dtype)
     with LAUNCH_LOCK:
         small = w_h.size <= SERIAL_ELEMENTS
-        (_pack_recurrent_rows_serial if small else _pack_recurrent_rows)(w_h, out)
+        pick(_pack_recurrent_rows, _pack_recurrent_rows_serial, small)(w_h, out)
     return out
 
 
@@ -110,7 +110,7 @@ def pack_input_weights(ws, out):
             out[-1] = 0
         row0 = 0
         for w in ws:
-            (_pack_rows_at_serial if w.size <= SERIAL_ELEMENTS else _pack_rows_at)(w, row0, out)
+            pick(_pack_rows_at, _pack_rows_at_serial, w.size <= SERIAL_ELEMENTS)(w, row0, out)
             row0 += w.shape[0]
     return out
 
