@@ -181,8 +181,15 @@ def run_case(pool, case, dtype, peer_names, repeats, block_s=BLOCK_S):
 
 
 def ceilings(pool, peer):
-    """The machine's GEMM ceilings, measured in `peer`'s worker (worker.gemm_ceilings)."""
-    return pool.get(peer, "op").ask(action="ceiling")["ceilings"]
+    """The machine's GEMM ceilings (worker.gemm_ceilings), measured in a process of their
+    own, closed after: they import torch, which in `peer`'s op worker would have set
+    fusedrnn's threading layer to a torch program's (cpu/threads.py) for the numpy
+    program it times."""
+    worker = pool.get(peer, "ceiling")
+    try:
+        return worker.ask(action="ceiling")["ceilings"]
+    finally:
+        pool.workers.pop((peer, "ceiling")).close()
 
 
 def _child_env():
