@@ -7,9 +7,9 @@ all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_
 _reverse, weight_hr_l0), by name and order, so state_dicts load both ways. They are views
 of one flat tensor in fusedrnn's layout (as torch.nn's are of cuDNN's buffer after
 flatten_parameters()), laid out again after .to(), a copy or unpickling: a call that
-needs no gradient for them passes that tensor as it is; a call that does, or one whose
-parameters were replaced since, joins them into fusedrnn's flat vector (`weight`, one
-copy).
+records nothing for a backward passes that tensor as it is; a call that does, or one
+whose parameters were replaced since, joins them into fusedrnn's flat vector (`weight`,
+one copy).
 Gradients are differentiable once: a second backward through them raises.
 """
 from __future__ import annotations
@@ -123,7 +123,10 @@ class _FusedRNNBase(nn.Module):
         inference through the modules 1.125x faster over a grid, T=1 1.30x; measured:
         bench/results/torch-modules.md#the-parameters-as-views-of-one-flat-tensor).
         Nothing where they differ in dtype or device. The module calls it itself, on
-        construction and after _apply (.to(), .half(), .cuda(), ...)."""
+        construction and after _apply (.to(), .half(), .cuda(), ...); where they are laid
+        out already, nothing (torch.nn code calls it before every forward)."""
+        if self._flat_weight() is not None:
+            return
         views = self.views()
         ps = list(views.values())
         if any(p.dtype != ps[0].dtype or p.device != ps[0].device for p in ps) or \
@@ -151,13 +154,19 @@ class _FusedRNNBase(nn.Module):
             offset, shape = self.layout.blocks[key]
             if p.dtype != flat.dtype or p.device != flat.device or p.shape != shape or \
                     not p.is_contiguous() or p.data_ptr() != base + offset * size:
+                self._flat = None   # (not to hold a replaced parameter's old memory)
                 return None
         return flat
 
-    def _call_weight(self):
+    def _call_weight(self, *inputs):
         """The flat parameter vector for a call: the one the parameters are views of where
-        no gradient for them is wanted (the values are theirs, no copy), else `weight`."""
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+        the call records nothing for a backward (grad mode off, or neither a parameter nor
+        any of `inputs` requires grad: the values are theirs, no copy), else `weight`.
+        (A backward reads the vector saved at the forward, and torch's check that nothing
+        changed it in place since sees the vector's version, not the parameters'.)"""
+        if not torch.is_grad_enabled() or not any(
+                t is not None and t.requires_grad
+                for t in (*inputs, *self.parameters())):
             flat = self._flat_weight()
             if flat is not None:
                 return flat
@@ -211,7 +220,7 @@ class _FusedRNNBase(nn.Module):
         data = data.contiguous()
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
         has_cell = CELLS[self.mode].has_cell_state
-        outs = rnn(data, self._call_weight(), h0, c0 if has_cell else None,
+        outs = rnn(data, self._call_weight(data, h0, c0), h0, c0 if has_cell else None,
                    lengths if packed else None, state_outputs=True, train=self.training,
                    mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
                    bidirectional=self.bidirectional, p=self.dropout,

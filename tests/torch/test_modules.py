@@ -302,8 +302,8 @@ def test_double_backward_raises_instead_of_detaching(name):
 
 @pytest.mark.parametrize("mode", list(CLASSES))
 def test_a_call_without_gradients_reads_the_parameters_in_place_and_follows_each_change(mode):
-    """The parameters are views of one flat tensor, which a call that wants no gradient for
-    them passes as it is (no joining copy). Every way of changing them shows in the next
+    """The parameters are views of one flat tensor, which a call that records nothing for
+    a backward passes as it is (no joining copy). Every way of changing them shows in the next
     such call, as torch.nn, given the same weights, computes it: in place (an optimizer's
     step), replaced (.data, a new Parameter: the joined copy, until flatten_parameters),
     converted, deep-copied and pickled (laid out again, each copy its own memory)."""
@@ -345,3 +345,26 @@ def test_a_call_without_gradients_reads_the_parameters_in_place_and_follows_each
     torch.save(ours, buffer)
     buffer.seek(0)
     check(torch.load(buffer, weights_only=False), True)
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_frozen_parameters_changed_before_the_backward_leave_the_gradient_as_computed(mode):
+    """A frozen module (no parameter requires grad) under an input that does: the call
+    records a backward, so it passes the joined copy, not the flat tensor the parameters
+    are views of. An in-place change of the parameters between forward and backward (an
+    EMA update, a load_state_dict) then leaves the input's gradient that of the weights
+    the forward ran with, as computed afresh."""
+    theirs, ours = pair(mode, input_size=3, hidden_size=4, num_layers=2)
+    ours.requires_grad_(False)
+    torch.manual_seed(2)
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    assert ours._call_weight(x) is not ours._flat
+    (ours(x)[0] ** 2).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    out = ours(x)[0]
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(0.5)
+    (out ** 2).sum().backward()
+    close(x.grad, want)
