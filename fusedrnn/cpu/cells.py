@@ -205,15 +205,18 @@ _BACKWARD_NDIMS = (2,) * 12
 
 def _guarded(kernel, python_function):
     """kernel's launcher, under LAUNCH_LOCK; in a process that may launch serial builds
-    only (threads.serial_only), a serial build of the same function, compiled there on
-    first use."""
+    only (threads.serial_only), a serial build of the same function for the same
+    signatures, compiled there on first use."""
     serial = []
 
     def launch(*args):
         build = kernel
         if serial_only():
             if not serial:
-                serial.append(nb.njit(cache=True, nogil=True)(serial_twin(python_function)))
+                with _compile_lock:
+                    if not serial:
+                        serial.append(nb.njit(list(kernel.signatures), cache=True,
+                                              nogil=True)(serial_twin(python_function)))
             build = serial[0]
         with LAUNCH_LOCK:
             build(*args)

@@ -32,7 +32,8 @@ whose parent started the pool as soon as the child opens a parallel region: a to
 program that forks workers after running fusedrnn would lose them, and a
 multiprocessing Pool waiting on them hangs. So a process forked from one that runs the
 OpenMP layer launches every kernel's serial build instead (`pick`): the same results,
-on one core.
+on one core. (The handler is registered when this module loads: a fork before that,
+from a program whose own Numba code started the OpenMP pool, is not seen.)
 Measured: bench/results/cpu-kernel-notes.md#threads-forked-processes
 
 Numba fixes its layer when its thread pool starts (the first parallel kernel, or a

@@ -259,6 +259,72 @@ def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threa
     assert _blas_threads() == two_blas_threads
 
 
+
+class _Refusing:
+    """A parallel build that must not run (its signatures kept for serial twins)."""
+
+    def __init__(self, build):
+        self.signatures = getattr(build, "signatures", [])
+
+    def __call__(self, *args):
+        raise AssertionError("a parallel build was launched in a serial-only process")
+
+
+def test_a_serial_only_process_launches_no_parallel_build(monkeypatch):
+    """What threads.pick promises a forked child, in process: with every parallel build
+    replaced by one that raises (the low-level kernels, the fused layers' and the cell
+    kernels'), calls large enough for each path's parallel rule (float32, bfloat16 and
+    float16, T > 1 and T = 1, forward and backward, the projected LSTM) run on serial
+    builds and give the parallel builds' results (float32: the last bits may differ)."""
+    import ml_dtypes
+    from numba.core.registry import CPUDispatcher
+
+    from fusedrnn import cache
+    from fusedrnn.cpu import cells, fused
+    from fusedrnn.cpu.lowlevel import bf16gemm, float16, gemm, packing
+    calls = [("lstm", 20, 64, 256, None, np.float32), ("lstm", 1, 64, 512, None, np.float32),
+             ("gru", 20, 16, 256, None, ml_dtypes.bfloat16),
+             ("rnn_tanh", 20, 64, 512, None, np.float16), ("lstm", 6, 8, 64, 32, np.float32)]
+
+    def run():
+        rng, results = np.random.default_rng(0), []
+        for mode, T, N, H, P, dtype in calls:
+            kw = dict(mode=mode, state_size=H, num_layers=1, projection_size=P)
+            x = rng.standard_normal((T, N, H)).astype(dtype)
+            p = (rng.standard_normal(fusedrnn.param_size(input_size=H, **kw)) * 0.1
+                 ).astype(dtype)
+            y, handle = fusedrnn.RNN(x, p, **kw, train=True)
+            grads = fusedrnn.rnn_backward(handle, np.ones_like(y))
+            results.append([np.asarray(a, np.float64) for a in (y, *grads) if a is not None])
+        return results
+
+    want = run()
+    cache.clear_cache()
+    monkeypatch.setattr(threads, "_forked_from_openmp", True)
+    for module in (bf16gemm, float16, gemm, packing):
+        for name, build in list(vars(module).items()):
+            if isinstance(build, CPUDispatcher) and build.targetoptions.get("parallel"):
+                monkeypatch.setattr(module, name, _Refusing(build))
+    monkeypatch.setattr(fused, "_layers", {})
+    init = fused.FusedLayer.__init__
+
+    def refusing_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._forward = _Refusing(self._forward)
+        self._forward_single = _Refusing(self._forward_single)
+        self._backward = _Refusing(self._backward)
+    monkeypatch.setattr(fused.FusedLayer, "__init__", refusing_init)
+    monkeypatch.setattr(cells, "_compiled", {})
+    guarded = cells._guarded
+    monkeypatch.setattr(cells, "_guarded", lambda build, f: guarded(_Refusing(build), f))
+    try:
+        got = run()
+    finally:
+        cache.clear_cache()   # (no op built on the refusing layers outlives the test)
+    for case_want, case_got in zip(want, got):
+        for a, b in zip(case_want, case_got):
+            assert np.abs(a - b).max() <= 2e-6 * np.abs(a).max(), np.abs(a - b).max()
+
 def test_a_forked_child_runs_the_op_as_its_parent_did():
     """GNU OpenMP is not fork-safe: Numba's OpenMP layer kills a forked child of a process
     whose pool ran as soon as it opens a parallel region (and a Pool waiting on it hangs).
