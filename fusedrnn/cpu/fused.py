@@ -509,8 +509,9 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
 
 def _workshare(steps, blocks, serial=False):
     """(counters, workers) for one launch (workshare.py): as many workers as the calling
-    thread's Numba thread count, at most one per block; one for a serial build."""
-    workers = 1 if serial else max(1, min(nb.get_num_threads(), blocks))
+    thread's Numba thread count, at most one per block; one for a serial build (`serial`,
+    or every build threads.pick picks in a serial-only process)."""
+    workers = 1 if serial or serial_only() else max(1, min(nb.get_num_threads(), blocks))
     return new_counters(steps, workers), workers
 
 
@@ -753,10 +754,9 @@ class FusedLayer:
             pack_recurrent(w_h, self.gates, wpack)
             bias_rows = self._no_bias_rows
         scalar = self.dtype.type
-        serial = serial_only()
-        share = _workshare(hs.shape[1] - 1, tiles.shape[0], serial)
+        share = _workshare(hs.shape[1] - 1, tiles.shape[0])
         with LAUNCH_LOCK:
-            pick(self._forward, self._forward_serial, serial)(
+            pick(self._forward, self._forward_serial)(
                 xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths, scalar(clip_lo),
                 scalar(clip_hi), clip_flags, self._no_weights, self._no_weights,
                 self._no_weights, self._no_panels, self._no_panels, self._no_rows, h16, wpairs,
@@ -793,7 +793,7 @@ class FusedLayer:
         scalar = self.dtype.type
         K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
         N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
-        serial = N * GH * (H + K) <= SERIAL_WORK or serial_only()
+        serial = N * GH * (H + K) <= SERIAL_WORK
         kernel = pick(self._forward_single, self._forward_single_serial, serial)
         share = _workshare(1, tiles.shape[0], serial)
         w_x, w_h = self._weight(w_x), self._weight(w_h)
@@ -834,7 +834,7 @@ class FusedLayer:
         T, N, GH = dy.shape[0], dy.shape[1], w_h.shape[0]
         # At T=1 the loop never multiplies by W_h (its one step takes dh_rec0), so nothing
         # is packed, and the pointwise work alone decides the build.
-        serial = (T == 1 and N * GH <= SERIAL_POINTWISE) or serial_only()
+        serial = T == 1 and N * GH <= SERIAL_POINTWISE
         kernel = pick(self._backward, self._backward_serial, serial)
         wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
         if self.bf16:

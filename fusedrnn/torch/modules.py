@@ -136,8 +136,7 @@ class _FusedRNNBase(nn.Module):
         flat = torch.zeros(self.layout.size, dtype=ps[0].dtype, device=ps[0].device)
         with torch.no_grad():
             for key, p in views.items():
-                offset, shape = self.layout.blocks[key]
-                view = flat[offset:offset + p.numel()].view(shape)
+                view = self.layout.view(flat, *key)
                 view.copy_(p)
                 p.data = view   # (the same Parameter: optimizers keep theirs)
         self._flat = flat
