@@ -52,7 +52,7 @@ from numba import prange
 
 from ..config import CELLS
 from .lowlevel import zero_like
-from .threads import LAUNCH_LOCK, serial_only, serial_twin
+from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, serial_only, serial_twin
 from .units import BACKWARD_UNITS, FORWARD_UNITS, MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["cell_kernels"]
@@ -215,8 +215,8 @@ def _guarded(kernel, python_function):
             if not serial:
                 with _compile_lock:
                     if not serial:
-                        serial.append(nb.njit(list(kernel.signatures), cache=True,
-                                              nogil=True)(serial_twin(python_function)))
+                        serial.append(nb.njit(list(kernel.signatures), **KERNEL_OPTIONS)(
+                            serial_twin(python_function)))
             build = serial[0]
         with LAUNCH_LOCK:
             build(*args)
@@ -237,7 +237,7 @@ def cell_kernels(mode: str, dtype):
                 forward = _make_forward_step(MODE_INDEX[mode], spec.gates, spec.saved)
                 backward = _make_backward_step(MODE_INDEX[mode], spec.gates, spec.saved,
                                                spec.split_gate_grads)
-                options = dict(parallel=True, cache=True, nogil=True)
+                options = dict(parallel=True, **KERNEL_OPTIONS)
                 kernels = (
                     _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward),
                              forward),

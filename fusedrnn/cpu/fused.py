@@ -72,7 +72,7 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
                        project_bf16, project_widened, round_rows, row_add, row_add3, row_copy,
                        row_round, row_zero, zero_like)
-from .threads import LAUNCH_LOCK, pick, serial_only
+from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, pick, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["FusedLayer", "fused_layer"]
@@ -335,7 +335,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                              trow + (_S + k) * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
 
-    return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_forward)
+    return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_forward)
 
 
 # Numba compiles a prange body into a library of its own (optimised at O3), then links it
@@ -504,7 +504,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                                 row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
 
-    return nb.njit(parallel=parallel, cache=True, nogil=True)(layer_backward)
+    return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_backward)
 
 
 def _workshare(steps, blocks, serial=False):

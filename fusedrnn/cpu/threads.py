@@ -134,13 +134,23 @@ def serial_twin(kernel):
     return twin
 
 
+# How every kernel entry point is compiled, parallel or serial. The error model is
+# numpy's (a float division by zero gives inf or nan, as IEEE says, instead of raising):
+# under Python's model each division is checked for zero, and those branches kept the
+# serial builds' cell loops scalar (LSTM T=20 N=8 H=64, serial build 502 -> 108 us a
+# call). A parallel region's body is always compiled with numpy's model (Numba's parfor
+# lowering), so the two builds now also agree on the one rule they could differ by.
+# Measured: bench/results/cpu-kernel-notes.md#threads-numpys-error-model-in-every-build
+KERNEL_OPTIONS = dict(cache=True, nogil=True, error_model="numpy")
+
+
 def parallel_and_serial(kernel):
     """(parallel build, serial build) of a kernel's Python function, both cached on disk
     and compiled on first use. Small calls take the serial one: launching a parallel
     region costs tens of microseconds (lowlevel/packing.py and gemm.py give the
     measurement); `pick` chooses."""
-    return (numba.njit(parallel=True, cache=True, nogil=True)(kernel),
-            numba.njit(cache=True, nogil=True)(serial_twin(kernel)))
+    return (numba.njit(parallel=True, **KERNEL_OPTIONS)(kernel),
+            numba.njit(**KERNEL_OPTIONS)(serial_twin(kernel)))
 
 
 class BlasOneThread:

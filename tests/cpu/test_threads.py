@@ -139,6 +139,32 @@ def test_parallel_and_serial_builds_agree_and_are_cached_apart():
     assert len(names) == 2
 
 
+def test_every_kernel_build_takes_numpys_error_model():
+    """Under Python's error model a serial build checks each division for zero, and those
+    branches kept its cell loops scalar (4x slower than the parallel build's, whose region
+    body Numba always compiles with numpy's model). Every entry point, parallel or serial,
+    is compiled with threads.KERNEL_OPTIONS: the low-level kernels, the fused layers' six
+    builds and the cell kernels."""
+    from numba.core.registry import CPUDispatcher
+
+    from fusedrnn.cpu import cells, fused
+    from fusedrnn.cpu.lowlevel import bf16gemm, float16, gemm, packing
+    builds = [build for module in (bf16gemm, float16, gemm, packing)
+              for build in vars(module).values()
+              if isinstance(build, CPUDispatcher) and build.targetoptions.get("inline") != "always"]
+    assert len(builds) >= 20   # (every parallel_and_serial pair of the four modules)
+    for mode in ("lstm", "gru"):
+        layer = fused.FusedLayer(mode, np.float32)
+        builds += [layer._forward, layer._forward_serial, layer._forward_single,
+                   layer._forward_single_serial, layer._backward, layer._backward_serial]
+        builds += [launch.kernel for launch in cells.cell_kernels(mode, np.float32)]
+    assert threads.KERNEL_OPTIONS["error_model"] == "numpy"
+    for build in builds:   # (cache=True is the dispatcher's, not a target option)
+        options = {k: build.targetoptions.get(k) for k in ("error_model", "nogil")}
+        assert options == {"error_model": "numpy", "nogil": True}, (
+            build.py_func.__qualname__, options)
+
+
 def _blas_threads():
     return [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
             if lib["user_api"] == "blas"]
