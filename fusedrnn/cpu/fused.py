@@ -72,7 +72,7 @@ from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_c
                        panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
                        project_bf16, project_widened, round_rows, row_add, row_add3, row_copy,
                        row_round, row_zero, zero_like)
-from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, pick, serial_only
+from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, pick, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["FusedLayer", "fused_layer"]
@@ -515,15 +515,22 @@ def _workshare(steps, blocks, serial=False):
     return new_counters(steps, workers), workers
 
 
-# At T=1 small calls run serial builds of the single-step forward and of the backward
-# (compiled on first use): launching a parallel region wakes the workqueue's sleeping
-# workers, 60-70 us on the 2-core machine, more than such a step's work. The forward
-# goes serial up to SERIAL_WORK multiply-adds (N*G*H*(H+K)), the backward, pointwise
-# alone at T=1, up to SERIAL_POINTWISE gate values (N*G*H). Not at T > 1: the serial
-# build's cell loop is scalar (it lacks the region's noalias arguments), and there the
-# region wins from a few thousand multiply-adds per call.
-# Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-single-steps
-SERIAL_WORK = 1 << 19
+# Small calls run the serial builds (compiled on first use, no launch): the single-step
+# forward up to SERIAL_WORK multiply-adds (N*G*H*(H+K)), the T > 1 forward loop up to
+# SERIAL_LOOP_WORK (T*N*G*H*H, plus T*N*G*H*K where the loop multiplies the input too; a
+# bfloat16 loop's products count half, vdpbf16ps doing two per lane), and the T=1
+# backward, pointwise alone, up to SERIAL_POINTWISE gate values (N*G*H). The bounds
+# depend on the layer: on workqueue (a numpy program) a launch wakes sleeping workers and
+# the serial build won up to 2^25 multiply-adds at T=1 (LSTM H=256 N=32 212 against 336
+# us) and 2^24 in the loops (LSTM T=20 N=8 H=128 285 against 515 us); on the OpenMP layer
+# (a torch program) the parallel build wins from about 2^20. A loop whose weights pass
+# one core's L2 (SERIAL_LOOP_BYTES, 1 MB on Zen 4 and 5) stays parallel at any size: each
+# step streams them, and two cores hold and fetch twice as much (GRU T=20 N=1 H=384, 1.8
+# MB: serial 918 against 708 us).
+# Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-bounds-for-each-layer
+SERIAL_WORK = 1 << 25 if SLEEPING_WORKERS else 1 << 19
+SERIAL_LOOP_WORK = 1 << 24 if SLEEPING_WORKERS else 1 << 20
+SERIAL_LOOP_BYTES = 1 << 20
 # One-gate blocks go in pairs from this many samples (the note above _make_layer_forward):
 # at N=1 a 1 x 2 tile has two sums and no split, and rnn_tanh T=100 N=1 H=512 measured
 # 0.91-0.94x; from N=4 the pairs measured 1.06-1.22x; N=2-3 was within noise.
@@ -753,10 +760,15 @@ class FusedLayer:
         else:
             pack_recurrent(w_h, self.gates, wpack)
             bias_rows = self._no_bias_rows
+        T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
+        width = H + (w_x.shape[1] if fuses else 0)   # (the weights each step multiplies)
+        work = T * N * self.gates * H * width
+        serial = ((work // 2 if self.bf16 else work) <= SERIAL_LOOP_WORK and
+                  self.gates * H * width * (2 if self.bf16 else hs.itemsize) <= SERIAL_LOOP_BYTES)
         scalar = self.dtype.type
-        share = _workshare(hs.shape[1] - 1, tiles.shape[0])
+        share = _workshare(T, tiles.shape[0], serial)
         with LAUNCH_LOCK:
-            pick(self._forward, self._forward_serial)(
+            pick(self._forward, self._forward_serial, serial)(
                 xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths, scalar(clip_lo),
                 scalar(clip_hi), clip_flags, self._no_weights, self._no_weights,
                 self._no_weights, self._no_panels, self._no_panels, self._no_rows, h16, wpairs,
@@ -833,8 +845,15 @@ class FusedLayer:
         direction's first step; the caller runs that last GEMM."""
         T, N, GH = dy.shape[0], dy.shape[1], w_h.shape[0]
         # At T=1 the loop never multiplies by W_h (its one step takes dh_rec0), so nothing
-        # is packed, and the pointwise work alone decides the build.
-        serial = T == 1 and N * GH <= SERIAL_POINTWISE
+        # is packed, and the pointwise work alone decides the build; at T > 1 the product
+        # dh_rec = dg @ W_h, as in the forward loop.
+        if T == 1:
+            serial = N * GH <= SERIAL_POINTWISE
+        else:
+            work = (T - 1) * N * GH * w_h.shape[1]
+            serial = ((work // 2 if self.bf16 else work) <= SERIAL_LOOP_WORK and
+                      GH * w_h.shape[1] * (2 if self.bf16 else w_h.itemsize) <=
+                      SERIAL_LOOP_BYTES)
         kernel = pick(self._backward, self._backward_serial, serial)
         wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
         if self.bf16:

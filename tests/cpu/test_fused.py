@@ -27,6 +27,7 @@ from fusedrnn.config import CELLS, RNNConfig
 from fusedrnn.cpu import CpuBackend, fused
 from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
 from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
+from fusedrnn.cpu.threads import KERNEL_OPTIONS
 from fusedrnn.recurrence import NEXT, PREV
 from reference import cell as reference_cell
 
@@ -77,6 +78,14 @@ def assert_same(fused, generic, tol):
         assert rel_err(np.where(nan, 0, a), np.where(nan, 0, b)) <= tol, f"result {i}"
 
 
+@pytest.fixture(params=["serial", "parallel"])
+def loop_build(request, monkeypatch):
+    """A T > 1 test on both builds of the loops, whatever its size picks
+    (fused.SERIAL_LOOP_WORK)."""
+    monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", 1 << 62 if request.param == "serial" else -1)
+    return request.param
+
+
 # -- (a) the op: fused loop == generic per-step path ----------------------------------
 
 @pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
@@ -84,8 +93,9 @@ def assert_same(fused, generic, tol):
 @pytest.mark.parametrize("H", [1, 16, 17, 33])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_op_fused_matches_generic_path(monkeypatch, mode, dtype, H, N, lengths):
-    """2 layers, bidirectional: inference, training forward and all gradients."""
+def test_op_fused_matches_generic_path(monkeypatch, loop_build, mode, dtype, H, N, lengths):
+    """2 layers, bidirectional: inference, training forward and all gradients, on both
+    builds of the loops."""
     case, kw, heads = make_case(mode, T=T, N=N, I=I, H=H, L=2, D=2, dtype=dtype,
                                 seed=H * 10 + N)
     options = dict(sequence_length=LENGTHS[:N], use_sequence_length=True) if lengths else {}
@@ -159,7 +169,8 @@ def _expected_direction(mode, d, xproj, w_h, bx, bh, h0, c0, lengths):
 @pytest.mark.parametrize("d", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_layer_forward_writes_exactly_its_direction(mode, dtype, d, H, lengths, record):
+def test_layer_forward_writes_exactly_its_direction(loop_build, mode, dtype, d, H, lengths,
+                                                    record):
     spec, D, N = CELLS[mode], 2, 4
     G, lstm, other = spec.gates, spec.has_cell_state, 1 - d
     layer = fused_layer(mode, dtype)
@@ -335,24 +346,30 @@ def test_forward_single_writes_exactly_its_direction(build, mode, dtype, d, H, N
 @pytest.mark.parametrize("T, N, H, serial", [
     (1, 1, 8, (True, True)),        # the per-call floor: both serial
     (1, 4, 64, (True, True)),       # 4*256*128 = 131k multiply-adds, 1024 gate values
-    (1, 16, 64, (True, True)),      # 524k: the forward's limit
+    (1, 16, 64, (True, True)),      # 524k: the forward's bound
     (1, 32, 64, (False, True)),     # 1M multiply-adds, 8192 gate values
     (1, 64, 128, (False, False)),   # 8M, 32768
-    (5, 1, 8, (False, False)),      # never at T > 1
+    (5, 1, 8, (True, True)),        # the loops: 5*32*8 and 4*32*8 multiply-adds
+    (5, 16, 64, (False, True)),     # 5*16*256*64 = 1.3M; the backward's 4 products 1M
+    (2, 1, 288, (False, False)),    # 663k, but W_h (1152 x 288 float32) past 1 MB
 ])
-def test_small_single_steps_take_the_serial_builds(monkeypatch, T, N, H, serial):
-    """The rule above fused.SERIAL_WORK: which build of the forward and of the backward
-    each call of an LSTM training step launches (I = H)."""
+def test_small_calls_take_the_serial_builds(monkeypatch, T, N, H, serial):
+    """The rule above fused.SERIAL_WORK, at bounds set here (the shipped ones depend on
+    the threading layer): which build of the forward and of the backward each call of an
+    LSTM training step launches (float32, I = H)."""
+    for name, bound in (("SERIAL_WORK", 1 << 19), ("SERIAL_POINTWISE", 1 << 14),
+                        ("SERIAL_LOOP_WORK", 1 << 20), ("SERIAL_LOOP_BYTES", 1 << 20)):
+        monkeypatch.setattr(fused, name, bound)
     layer = fused_layer("lstm", np.float32)
     launched = []
-    for name in ("_forward", "_forward_single", "_forward_single_serial", "_backward",
-                 "_backward_serial"):
+    for name in ("_forward", "_forward_serial", "_forward_single", "_forward_single_serial",
+                 "_backward", "_backward_serial"):
         real = getattr(layer, name)
         monkeypatch.setattr(layer, name, lambda *a, _real=real, _name=name:
                             launched.append(_name) or _real(*a))
     case, kw, heads = make_case("lstm", T=T, N=N, I=H, H=H, dtype=np.float32)
     _run(case, kw, heads, {})
-    forward = "_forward" if T > 1 else "_forward_single" + ("_serial" if serial[0] else "")
+    forward = ("_forward" if T > 1 else "_forward_single") + ("_serial" if serial[0] else "")
     backward = "_backward" + ("_serial" if serial[1] else "")
     assert launched == [forward, forward, backward], launched   # inference, training
 
@@ -584,9 +601,11 @@ def test_the_cached_prange_body_spills_no_more_than_the_first(monkeypatch, mode,
     that renames them fails this test, to be rewritten, not skipped."""
     if bf16 and not fused.HAS_BF16:
         pytest.skip("the CPU has no AVX512-BF16: no vdpbf16ps layer to compile")
+    monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)   # (this size would run serial)
     layer = FusedLayer(mode, np.float32, bf16)
     name = "_" + direction
-    fresh = numba.njit(parallel=True, cache=False, nogil=True)(getattr(layer, name).py_func)
+    options = dict(KERNEL_OPTIONS, cache=False)
+    fresh = numba.njit(parallel=True, **options)(getattr(layer, name).py_func)
     setattr(layer, name, fresh)
     method = getattr(FusedLayer, direction)
     monkeypatch.setattr(FusedLayer, direction, lambda self, *a, **k: method(layer, *a, **k))

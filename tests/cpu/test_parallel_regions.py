@@ -24,17 +24,18 @@ def _exercise():
     """Op calls that launch every kernel below at least once: a fused T>1 training call,
     a fused T=1 call (on the parallel builds, which its size alone would not pick) and a
     projected LSTM (the generic per-step path)."""
-    limits = (fused.SERIAL_WORK, fused.SERIAL_POINTWISE, gemm.SERIAL_WORK,
-              packing.SERIAL_ELEMENTS)
-    # (the projection and the packers too: at these sizes they would take their serial
-    # builds, and run alone this file then found no launch of the parallel ones)
-    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = gemm.SERIAL_WORK = -1
-    packing.SERIAL_ELEMENTS = -1
+    limits = (fused.SERIAL_WORK, fused.SERIAL_POINTWISE, fused.SERIAL_LOOP_WORK,
+              gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)
+    # (the loops, the projection and the packers too: at these sizes they would take
+    # their serial builds, and run alone this file then found no launch of the parallel
+    # ones)
+    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = fused.SERIAL_LOOP_WORK = -1
+    gemm.SERIAL_WORK = packing.SERIAL_ELEMENTS = -1
     try:
         _calls()
     finally:
-        (fused.SERIAL_WORK, fused.SERIAL_POINTWISE, gemm.SERIAL_WORK,
-         packing.SERIAL_ELEMENTS) = limits
+        (fused.SERIAL_WORK, fused.SERIAL_POINTWISE, fused.SERIAL_LOOP_WORK,
+         gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS) = limits
 
 
 def _calls():

@@ -19,8 +19,11 @@ def test_threading_layer_is_guarded_when_not_threadsafe():
         assert isinstance(threads.LAUNCH_LOCK, type(threading.Lock()))
 
 
-def test_concurrent_calls_match_serial():
-    """8 threads x 200 calls of mixed modes and shapes, training forward + backward."""
+def test_concurrent_calls_match_serial(monkeypatch):
+    """8 threads x 200 calls of mixed modes and shapes, training forward + backward, the
+    loops on their parallel builds (which calls this small would not take)."""
+    from fusedrnn.cpu import fused
+    monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)
     cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i)
              for i, mode in enumerate(MODES * 3)]
 
@@ -92,8 +95,10 @@ def test_the_layer_is_openmp_in_a_torch_program_and_workqueue_elsewhere(torch_fi
     want = "omp" if torch_first and has_omp else "workqueue"
     code = ("import os, sys\n"
             + ("import torch\n" if torch_first else "")
-            + "from fusedrnn.cpu import threads\n"
+            + "from fusedrnn.cpu import fused, threads\n"
             "import fusedrnn, numpy as np, numba\n"
+            # (the loops' parallel build, which larger calls run, at these small sizes)
+            "fused.SERIAL_LOOP_WORK = -1\n"
             "size = fusedrnn.param_size(mode='gru', input_size=4, state_size=8)\n"
             "fusedrnn.RNN(np.ones((3, 2, 4), np.float32), np.ones(size, np.float32), "
             "mode='gru', state_size=8, num_layers=1)\n"

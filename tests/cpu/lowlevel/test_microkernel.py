@@ -278,7 +278,7 @@ def _tile_loops(asm):
 @pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward",
                                     "fused forward lstm", "fused forward gru float64",
                                     "fused single step lstm", "fused forward bf16 lstm"])
-def test_tile_loop_reloads_nothing_from_the_stack(kernel):
+def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
     from the stack per unrolled pair of k, and 2-7 in the fused loop. Fails if the tile is
@@ -286,6 +286,7 @@ def test_tile_loop_reloads_nothing_from_the_stack(kernel):
     arguments, 3 on the stack) too, and none of its products outside a tile."""
     from fusedrnn.cpu import fused
     from fusedrnn.cpu.lowlevel import HAS_BF16
+    monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)   # (the loops' parallel build)
     rng = np.random.default_rng(3)
     if "bf16" in kernel:
         if not HAS_BF16:

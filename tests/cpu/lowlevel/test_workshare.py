@@ -110,7 +110,8 @@ _OVERSUBSCRIBED = textwrap.dedent("""
         return [out, *grads[:2], one]
 
     original, threads = fused._workshare, numba.get_num_threads()
-    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = -1   # T=1 too on the parallel builds
+    # (T=1 and the small loops too on the parallel builds)
+    fused.SERIAL_WORK = fused.SERIAL_POINTWISE = fused.SERIAL_LOOP_WORK = -1
     for mode, dtype in (("lstm", np.float64), ("gru", np.float32)):
         fusedrnn.clear_cache()
         want = run(mode, dtype)
