@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from numba import prange
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
+from ..threads import LAUNCH_LOCK, SLEEPING_WORKERS, parallel_and_serial, pick
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
 
@@ -30,9 +30,13 @@ __all__ = ["CHUNK", "project"]
 # every panel of W passes over it once.
 CHUNK = 96
 # Up to this many multiply-adds (M*K*C) the projection runs as its serial build: a
-# parallel region's launch (~60 us) costs more than the product on one core.
+# parallel region's launch costs more than the product on one core. 2^23 was measured
+# when workqueue's launch took ~60 us; at today's 110-120 us, in a numpy program
+# (threads.SLEEPING_WORKERS) the bound is 2^25 (with packing.SERIAL_ELEMENTS' 2^19:
+# 1.07x over 36 medium float32 inference cells, LSTM T=20 N=8 H=128 454 -> 303 us).
+# A torch program's OpenMP launch is cheaper still, and keeps 2^23.
 # Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
-SERIAL_WORK = 1 << 23
+SERIAL_WORK = 1 << 25 if SLEEPING_WORKERS else 1 << 23
 # Panels per product where four whole ones are left in a work item's range: the
 # micro-kernel covers them in tiles of several panels (microkernel.panels_per_tile).
 QUAD = 4

@@ -35,7 +35,7 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
+from ..threads import LAUNCH_LOCK, SLEEPING_WORKERS, parallel_and_serial, pick
 from .microkernel import PANEL
 
 __all__ = ["pack_input_weights", "pack_panel", "pack_recurrent", "pack_recurrent_rows",
@@ -48,9 +48,11 @@ def panels(units):
 
 
 # Up to this many weight elements a packer runs as its serial build: a parallel region's
-# launch (~60 us, waking the workqueue's workers) costs more than copying them.
+# launch (waking the workqueue's workers) costs more than copying them. 2^18 when the
+# launch took ~60 us; 2^19 in a numpy program at today's 110-120 us (2^20 lost: LSTM
+# T=20 N=32 H=512 inference 7.0 -> 9.0 ms). A torch program keeps 2^18.
 # Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
-SERIAL_ELEMENTS = 1 << 18
+SERIAL_ELEMENTS = 1 << 19 if SLEEPING_WORKERS else 1 << 18
 
 
 def _pack_recurrent(w, gates, out):
