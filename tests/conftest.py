@@ -96,10 +96,12 @@ def launch_fused(mode, dtype, steps):
     fusedrnn.rnn_backward(handle, np.ones_like(out))
 
 
-def fresh_compile(dispatcher, signature):
+def fresh_compile(dispatcher, signature, parallel=True):
     """`dispatcher`'s function compiled afresh for `signature` with the package's kernel
-    flags: the disk cache keeps no IR, asm or parfor diagnostics to inspect."""
+    flags (threads.KERNEL_OPTIONS; `parallel` for the parallel build): the disk cache
+    keeps no IR, asm or parfor diagnostics to inspect."""
     import numba as nb
-    fresh = nb.njit(parallel=True, nogil=True)(dispatcher.py_func)
+    from fusedrnn.cpu.threads import KERNEL_OPTIONS
+    fresh = nb.njit(parallel=parallel, **dict(KERNEL_OPTIONS, cache=False))(dispatcher.py_func)
     fresh.compile(signature)
     return fresh

@@ -144,7 +144,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         bf16=False):
     """layer_forward (module docstring), or with single_step its T=1 form, which takes
     the layer input and the raw weights (FusedLayer.forward_single says why). Without
-    `parallel`, plain serial code (FusedLayer._serial says when). With `bf16` (T > 1
+    `parallel`, plain serial code (the note above SERIAL_WORK says when). With `bf16` (T > 1
     only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs; and
     where x16 is given, W_x x_t too, from x16 and wxpairs, instead of reading xproj."""
     itemsize = np.dtype(dtype).itemsize
@@ -612,7 +612,7 @@ class FusedLayer:
         self._forward, self._forward_serial = (
             _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, False,
                                 parallel=parallel, bf16=bf16)
-            for parallel in (True, False))   # (serial: threads.pick, in forked processes)
+            for parallel in (True, False))   # (serial: small calls, forked processes)
         self._forward_single = _make_layer_forward(MODE_INDEX[mode], spec.gates, spec.saved,
                                                    self.dtype, True)
         self._forward_single_serial = _make_layer_forward(

@@ -102,8 +102,9 @@ elif LAYER == "omp" and not _user_choice and "torch" not in sys.modules:
 LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lock()
 # Whether a parallel launch wakes sleeping workers (workqueue's, 110-120 us for an empty
 # region on the 2-core machine, against 3 us on the OpenMP layer, whose workers spin):
-# the kernels' serial bounds (fused.py) are set for each kind of layer.
-SLEEPING_WORKERS = LAYER == "workqueue"
+# the kernels' serial bounds (fused.py, lowlevel) are set for each kind of layer. A
+# user's "default", "safe" or "forksafe" may mean workqueue: counted as sleeping.
+SLEEPING_WORKERS = LAYER not in ("omp", "tbb")
 
 _forked_from_openmp = False   # (module docstring: serial builds only)
 
@@ -151,8 +152,8 @@ KERNEL_OPTIONS = dict(cache=True, nogil=True, error_model="numpy")
 def parallel_and_serial(kernel):
     """(parallel build, serial build) of a kernel's Python function, both cached on disk
     and compiled on first use. Small calls take the serial one: launching a parallel
-    region costs tens of microseconds (lowlevel/packing.py and gemm.py give the
-    measurement); `pick` chooses."""
+    region costs 3 us to over 100 (SLEEPING_WORKERS; lowlevel/packing.py and gemm.py give
+    the measurement); `pick` chooses."""
     return (numba.njit(parallel=True, **KERNEL_OPTIONS)(kernel),
             numba.njit(**KERNEL_OPTIONS)(serial_twin(kernel)))
 

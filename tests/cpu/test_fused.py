@@ -110,7 +110,8 @@ CLIP = dict(lstm_state_clip_min=-0.25, lstm_state_clip_max=0.3)
 @pytest.mark.parametrize("lengths", [False, True], ids=["all-T", "lengths"])
 @pytest.mark.parametrize("H", [1, 17, 33])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_op_fused_matches_generic_path_with_lstm_clipping(monkeypatch, dtype, H, lengths):
+def test_op_fused_matches_generic_path_with_lstm_clipping(monkeypatch, loop_build, dtype, H,
+                                                          lengths):
     case, kw, heads = make_case("lstm", T=T, N=7, I=I, H=H, L=2, D=2, dtype=dtype, seed=H)
     options = dict(CLIP, sequence_length=LENGTHS, use_sequence_length=True) if lengths else CLIP
     fused, generic = fused_and_generic(monkeypatch, case, kw, heads, **options)
@@ -121,8 +122,8 @@ def test_op_fused_matches_generic_path_with_lstm_clipping(monkeypatch, dtype, H,
 
 @pytest.mark.parametrize("clip_nan", [False, True])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_op_fused_matches_generic_path_with_nan_in_the_cell_state(monkeypatch, dtype,
-                                                                  clip_nan):
+def test_op_fused_matches_generic_path_with_nan_in_the_cell_state(monkeypatch, loop_build,
+                                                                  dtype, clip_nan):
     """A NaN in sample 1's data at t=2 makes its c NaN in both directions of both layers:
     lstm_state_clip_nan turns it into the lower bound, else it propagates to cy."""
     case, kw, _ = make_case("lstm", T=T, N=3, I=I, H=17, L=2, D=2, dtype=dtype, seed=5)
@@ -534,6 +535,35 @@ def test_the_bf16_layer_rounds_h_for_its_products():
     as_float32 = fusedrnn.RNN(**{k: v.astype(np.float32) for k, v in half.items()}, **kw)
     assert not np.array_equal(out.view(np.uint16),
                               as_float32.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("N", [3, 8])   # 8: the loop multiplies the input too
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bf16_loops_agree_on_both_builds(monkeypatch, mode, N):
+    """tests/test_precision.py checks the bfloat16 layer at sizes whose loops run their
+    serial builds; the parallel builds, which larger calls run, give the same results
+    (outputs, states and every gradient; 2 layers, both directions): the same bits but
+    for a rare float32 last bit that rounds a bfloat16 result one step apart (one of
+    10800 GRU weight gradients differed so)."""
+    import ml_dtypes
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    if not HAS_BF16:
+        pytest.skip("the CPU has no AVX512-BF16")
+    case, kw, heads = make_case(mode, T=7, N=N, I=6, H=20, L=2, D=2, seed=N)
+    case, heads = ({k: v if v is None else v.astype(ml_dtypes.bfloat16)
+                    for k, v in d.items()} for d in (case, heads))
+    results = []
+    for bound in (1 << 62, -1):
+        monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", bound)
+        results.append(_run(case, kw, heads, {}))
+    for i, (serial, parallel) in enumerate(zip(*results)):
+        if serial is None:
+            assert parallel is None, i
+            continue
+        a, b = np.asarray(serial, np.float64), np.asarray(parallel, np.float64)
+        apart = a != b
+        assert apart.mean() <= 0.01, (i, apart.sum())
+        assert np.abs(a - b).max() <= 2.0 ** -7 * np.abs(a).max(), i   # a bfloat16 step
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -313,7 +313,7 @@ def test_a_serial_only_process_launches_no_parallel_build(monkeypatch):
     from fusedrnn import cache
     from fusedrnn.cpu import cells, fused
     from fusedrnn.cpu.lowlevel import bf16gemm, float16, gemm, packing
-    calls = [("lstm", 20, 64, 256, None, np.float32), ("lstm", 1, 64, 512, None, np.float32),
+    calls = [("lstm", 20, 64, 256, None, np.float32), ("lstm", 1, 160, 512, None, np.float32),
              ("gru", 20, 16, 256, None, ml_dtypes.bfloat16),
              ("rnn_tanh", 20, 64, 512, None, np.float16), ("lstm", 6, 8, 64, 32, np.float32)]
 
@@ -362,8 +362,9 @@ def test_a_forked_child_runs_the_op_as_its_parent_did():
     So such a child launches serial builds only (threads.pick): here a torch program's
     fork Pool runs every path (the fused loops at T > 1 and T = 1, forward and backward,
     the per-step driver's cell kernels for the projected LSTM, bfloat16's pair kernels)
-    and gets its parent's results (float32: the serial cell loops are not vectorised,
-    so the last bits may differ)."""
+    and gets its parent's results (float32: the last bits may differ between the
+    builds). The parent runs the parallel builds at these small sizes (its serial bounds
+    set to -1), as larger calls would."""
     import os
     import subprocess
     import sys
@@ -371,7 +372,10 @@ def test_a_forked_child_runs_the_op_as_its_parent_did():
     code = '''
 import multiprocessing as mp, numpy as np, torch, ml_dtypes, numba
 import fusedrnn
-from fusedrnn.cpu import threads
+from fusedrnn.cpu import fused, threads
+from fusedrnn.cpu.lowlevel import gemm, packing
+fused.SERIAL_WORK = fused.SERIAL_POINTWISE = fused.SERIAL_LOOP_WORK = -1
+gemm.SERIAL_WORK = packing.SERIAL_ELEMENTS = -1
 
 def run(_=None):
     rng, res = np.random.default_rng(0), []

@@ -53,9 +53,9 @@ from numba.extending import overload
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
 from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols, panel_gemm_bf16_cols_acc
-from .gemm import CHUNK, QUAD, SERIAL_WORK
+from . import gemm as _gemm, packing as _packing   # (their serial bounds, read per call)
+from .gemm import CHUNK, QUAD
 from .microkernel import PANEL
-from .packing import SERIAL_ELEMENTS
 
 __all__ = ["bf16_bits", "interleave_rows", "narrow", "pack_input_pairs", "pack_k_pairs",
            "pack_recurrent_pairs", "project_bf16", "round_rows", "widen"]
@@ -92,7 +92,8 @@ _round_rows, _round_rows_serial = parallel_and_serial(_round_rows)
 def round_rows(src, dst):
     """dst (M, 2*kp) uint16 = src (M, K) float32 rounded to bfloat16 (docstring above)."""
     with LAUNCH_LOCK:
-        pick(_round_rows, _round_rows_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_round_rows, _round_rows_serial, small)(src, dst)
     return dst
 
 
@@ -120,7 +121,8 @@ def interleave_rows(src, dst):
         raise ValueError(f"interleave_rows: dst {dst.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
     with LAUNCH_LOCK:
-        pick(_interleave_rows, _interleave_rows_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_interleave_rows, _interleave_rows_serial, small)(src, dst)
     return dst
 
 
@@ -153,7 +155,8 @@ def pack_k_pairs(src, out):
         raise ValueError(f"pack_k_pairs: out {out.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
     with LAUNCH_LOCK:
-        pick(_pack_k_pairs, _pack_k_pairs_serial, src.size <= SERIAL_ELEMENTS)(src, out)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_pack_k_pairs, _pack_k_pairs_serial, small)(src, out)
     return out
 
 
@@ -185,14 +188,16 @@ _narrow, _narrow_serial = parallel_and_serial(_narrow)
 def widen(src, dst):
     """dst (float32) = src (bfloat16 bits, uint16), both flat (docstring above)."""
     with LAUNCH_LOCK:
-        pick(_widen, _widen_serial, src.size <= SERIAL_ELEMENTS)(src, dst.view(np.uint32))
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_widen, _widen_serial, small)(src, dst.view(np.uint32))
     return dst
 
 
 def narrow(src, dst):
     """dst (bfloat16 bits, uint16) = src (float32) rounded, both flat (docstring above)."""
     with LAUNCH_LOCK:
-        pick(_narrow, _narrow_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_narrow, _narrow_serial, small)(src, dst)
     return dst
 
 
@@ -235,7 +240,7 @@ def pack_recurrent_pairs(w_h, gates, out):
     """W_h (G*H, K) float32 or bfloat16 bits -> (B, G, kp, 16) uint32 pairs (docstring
     above)."""
     with LAUNCH_LOCK:
-        small = w_h.size <= SERIAL_ELEMENTS
+        small = w_h.size <= _packing.SERIAL_ELEMENTS
         pick(_pack_recurrent_pairs, _pack_recurrent_pairs_serial, small)(w_h, gates, out)
     return out
 
@@ -265,8 +270,8 @@ def pack_input_pairs(ws, out):
             out[-1] = 0
         row0 = 0
         for w in ws:
-            pick(_pack_pairs_at, _pack_pairs_at_serial, w.size <= SERIAL_ELEMENTS)(
-                w, row0, out)
+            small = w.size <= _packing.SERIAL_ELEMENTS
+            pick(_pack_pairs_at, _pack_pairs_at_serial, small)(w, row0, out)
             row0 += w.shape[0]
     return out
 
@@ -357,6 +362,6 @@ def project_bf16(a, wpack, c, spill, by_columns=False):
         raise ValueError(f"project_bf16: a {a.shape} (by_columns={by_columns}), wpack "
                          f"{wpack.shape} and c {c.shape} do not fit")
     with LAUNCH_LOCK:
-        small = M * kp * 2 * c.shape[1] <= SERIAL_WORK
+        small = M * kp * 2 * c.shape[1] <= _gemm.SERIAL_WORK
         pick(_project_bf16, _project_bf16_serial, small)(a, wpack, c, spill, by_columns)
     return c

@@ -33,10 +33,10 @@ import numpy as np
 from numba import prange
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
-from .gemm import CHUNK, QUAD, SERIAL_WORK
+from . import gemm as _gemm, packing as _packing   # (their serial bounds, read per call)
+from .gemm import CHUNK, QUAD
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
-from .packing import SERIAL_ELEMENTS
 
 __all__ = ["f16_bits", "f16_value", "narrow_f16", "project_widened", "widen_f16"]
 
@@ -109,14 +109,16 @@ _narrow_f16, _narrow_f16_serial = parallel_and_serial(_narrow_f16)
 def widen_f16(src, dst):
     """dst (float32) = src (float16 bits, uint16), both flat (docstring above)."""
     with LAUNCH_LOCK:
-        pick(_widen_f16, _widen_f16_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_widen_f16, _widen_f16_serial, small)(src, dst)
     return dst
 
 
 def narrow_f16(src, dst):
     """dst (float16 bits, uint16) = src (float32) rounded, both flat (docstring above)."""
     with LAUNCH_LOCK:
-        pick(_narrow_f16, _narrow_f16_serial, src.size <= SERIAL_ELEMENTS)(src, dst)
+        small = src.size <= _packing.SERIAL_ELEMENTS
+        pick(_narrow_f16, _narrow_f16_serial, small)(src, dst)
     return dst
 
 
@@ -177,7 +179,7 @@ def project_widened(a, bf16, wpack, c, spill, block):
                          f"block {block.shape} (workers, {CHUNK}, {K}), wpack {wpack.dtype} "
                          f"and c {c.dtype} (float32) do not fit")
     with LAUNCH_LOCK:
-        small = M * K * c.shape[1] <= SERIAL_WORK
+        small = M * K * c.shape[1] <= _gemm.SERIAL_WORK
         pick(_project_widened, _project_widened_serial, small)(
             a, bool(bf16), wpack, c, spill, block[:1] if small else block)
     return c

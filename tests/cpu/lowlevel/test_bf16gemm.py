@@ -10,8 +10,19 @@ import numpy as np
 import pytest
 
 from fusedrnn.cpu import lowlevel
-from fusedrnn.cpu.lowlevel import CHUNK, PANEL
+from fusedrnn.cpu.lowlevel import CHUNK, PANEL, gemm, packing
 from fusedrnn.cpu.lowlevel.bf16gemm import K_BLOCK
+
+
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def build(request, monkeypatch):
+    """Every test on both builds of each kernel, whatever its size picks (the bounds these
+    kernels read per call: gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)."""
+    limit = 1 << 62 if request.param == "serial" else -1
+    monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
+    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
+    return request.param
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 needs_bf16 = pytest.mark.skipif(not lowlevel.HAS_BF16, reason="the CPU has no AVX512-BF16")
@@ -23,7 +34,7 @@ def exact(shape, rng, scale=1.0):
 
 
 @pytest.mark.parametrize("K", [1, 11, 12])
-@pytest.mark.parametrize("M", [3, 700])   # serial and parallel builds
+@pytest.mark.parametrize("M", [3, 700])
 def test_round_rows_equals_ml_dtypes(M, K):
     rng = np.random.default_rng(M + K)
     src = rng.standard_normal((M, K)).astype(np.float32) * 10.0 ** rng.integers(-40, 39, (M, K))
@@ -104,7 +115,7 @@ def strided(values, rng):
     return wide[:, 2:M + 2]
 
 
-@pytest.mark.parametrize("K,M", [(7, 5), (6, 33), (1200, 700)])   # odd K; serial, parallel
+@pytest.mark.parametrize("K,M", [(7, 5), (6, 33), (1200, 700)])   # odd K
 def test_interleave_rows_pairs_row_2p_with_2p_plus_1(K, M):
     rng = np.random.default_rng(K + M)
     src = strided(rng.standard_normal((K, M)).astype(np.float32), rng)

@@ -8,14 +8,25 @@ import numpy as np
 import pytest
 
 from fusedrnn.cpu import lowlevel
-from fusedrnn.cpu.lowlevel import CHUNK, PANEL
+from fusedrnn.cpu.lowlevel import CHUNK, PANEL, gemm, packing
+
+
+@pytest.fixture(autouse=True, params=["serial", "parallel"])
+def build(request, monkeypatch):
+    """Every test on both builds of each kernel, whatever its size picks (the bounds these
+    kernels read per call: gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)."""
+    limit = 1 << 62 if request.param == "serial" else -1
+    monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
+    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
+    return request.param
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def test_widen_is_exact_for_every_float16():
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    for n in (1000, bits.size):   # serial, parallel
+    for n in (1000, bits.size):
         got = np.full(n, np.nan, np.float32)
         lowlevel.widen_f16(bits[:n], got)
         want = bits[:n].view(np.float16).astype(np.float32)
@@ -36,7 +47,7 @@ def _specials():
     return np.concatenate([values, -values])
 
 
-@pytest.mark.parametrize("stride", [104729, 4099])   # serial-sized, parallel-sized
+@pytest.mark.parametrize("stride", [104729, 4099])
 def test_narrow_rounds_as_numpy(stride):
     sample = np.arange(0, 1 << 32, stride, dtype=np.uint64).astype(np.uint32).view(np.float32)
     src = np.concatenate([_specials(), sample])
