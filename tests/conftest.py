@@ -105,3 +105,14 @@ def fresh_compile(dispatcher, signature, parallel=True):
     fresh = nb.njit(parallel=parallel, **dict(KERNEL_OPTIONS, cache=False))(dispatcher.py_func)
     fresh.compile(signature)
     return fresh
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def lowlevel_builds(request, monkeypatch):
+    """A low-level kernel test on both builds, whatever its size picks (the bounds the
+    bfloat16 and float16 kernels read per call: gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)."""
+    from fusedrnn.cpu.lowlevel import gemm, packing
+    limit = 1 << 62 if request.param == "serial" else -1
+    monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
+    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
+    return request.param

@@ -10,19 +10,11 @@ import numpy as np
 import pytest
 
 from fusedrnn.cpu import lowlevel
-from fusedrnn.cpu.lowlevel import CHUNK, PANEL, gemm, packing
+from fusedrnn.cpu.lowlevel import CHUNK, PANEL
 from fusedrnn.cpu.lowlevel.bf16gemm import K_BLOCK
 
-
-@pytest.fixture(autouse=True, params=["serial", "parallel"])
-def build(request, monkeypatch):
-    """Every test on both builds of each kernel, whatever its size picks (the bounds these
-    kernels read per call: gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)."""
-    limit = 1 << 62 if request.param == "serial" else -1
-    monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
-    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
-    return request.param
-
+# every test on both builds of each kernel (conftest.lowlevel_builds)
+pytestmark = pytest.mark.usefixtures("lowlevel_builds")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 needs_bf16 = pytest.mark.skipif(not lowlevel.HAS_BF16, reason="the CPU has no AVX512-BF16")

@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 
 from fusedrnn.cpu import lowlevel
-from fusedrnn.cpu.lowlevel import CHUNK, PANEL, gemm, packing
+from fusedrnn.cpu.lowlevel import CHUNK, PANEL
 
-
-@pytest.fixture(autouse=True, params=["serial", "parallel"])
-def build(request, monkeypatch):
-    """Every test on both builds of each kernel, whatever its size picks (the bounds these
-    kernels read per call: gemm.SERIAL_WORK, packing.SERIAL_ELEMENTS)."""
-    limit = 1 << 62 if request.param == "serial" else -1
-    monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
-    monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
-    return request.param
-
+# every test on both builds of each kernel (conftest.lowlevel_builds)
+pytestmark = pytest.mark.usefixtures("lowlevel_builds")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
