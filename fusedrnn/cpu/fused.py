@@ -144,9 +144,9 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                         bf16=False):
     """layer_forward (module docstring), or with single_step its T=1 form, which takes
     the layer input and the raw weights (FusedLayer.forward_single says why). Without
-    `parallel`, plain serial code (the note above SERIAL_WORK says when). With `bf16` (T > 1
-    only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs; and
-    where x16 is given, W_x x_t too, from x16 and wxpairs, instead of reading xproj."""
+    `parallel`, plain serial code (the note above SERIAL_WORK says when). With `bf16`
+    (T > 1 only) the recurrent product is vdpbf16ps's: h_{t-1} from h16, W_h from wpairs;
+    and where x16 is given, W_x x_t too, from x16 and wxpairs, instead of reading xproj."""
     itemsize = np.dtype(dtype).itemsize
     last = gates - 1
     row = TILE_GROUPS * PANEL
@@ -707,6 +707,14 @@ class FusedLayer:
             return
         project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
 
+    def _serial_loop(self, rows, weights):
+        """Whether a T > 1 loop runs its serial build (the note above SERIAL_WORK): `rows`
+        multiplied by `weights` elements of W (bfloat16 pairs where self.bf16, counted
+        half; else self.dtype)."""
+        work, size = rows * weights, 2 if self.bf16 else self.dtype.itemsize
+        return ((work // 2 if self.bf16 else work) <= SERIAL_LOOP_WORK and
+                weights * size <= SERIAL_LOOP_BYTES)
+
     def fuses_input(self, steps, batch):
         """Whether forward() multiplies W_x x_t itself (note in __init__) at this size."""
         return self._fuses and steps > 1 and batch >= FUSED_INPUT_ROWS
@@ -764,9 +772,7 @@ class FusedLayer:
             bias_rows = self._no_bias_rows
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         width = H + (w_x.shape[1] if fuses else 0)   # (the weights each step multiplies)
-        work = T * N * self.gates * H * width
-        serial = ((work // 2 if self.bf16 else work) <= SERIAL_LOOP_WORK and
-                  self.gates * H * width * (2 if self.bf16 else hs.itemsize) <= SERIAL_LOOP_BYTES)
+        serial = self._serial_loop(T * N, self.gates * H * width)
         scalar = self.dtype.type
         share = _workshare(T, tiles.shape[0], serial)
         with LAUNCH_LOCK:
@@ -852,10 +858,7 @@ class FusedLayer:
         if T == 1:
             serial = N * GH <= SERIAL_POINTWISE
         else:
-            work = (T - 1) * N * GH * w_h.shape[1]
-            serial = ((work // 2 if self.bf16 else work) <= SERIAL_LOOP_WORK and
-                      GH * w_h.shape[1] * (2 if self.bf16 else w_h.itemsize) <=
-                      SERIAL_LOOP_BYTES)
+            serial = self._serial_loop((T - 1) * N, GH * w_h.shape[1])
         kernel = pick(self._backward, self._backward_serial, serial)
         wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
         if self.bf16:
