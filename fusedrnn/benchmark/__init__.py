@@ -12,7 +12,7 @@ import time
 
 from . import cases as case_lib
 from . import report, runner
-from .peers import HALF_DTYPES, OP_PEERS
+from .peers import HALF_DTYPES, OP_PEERS, STRICT
 
 
 def add_arguments(parser):
@@ -59,7 +59,10 @@ def run(args):
             return 2
     repeats = args.repeats or (3 if args.quick else 5)
     missing = runner.torch_available(args.device)
-    peers = [p for p in wanted if not (p == "torch" and missing)]
+    # torch's strict peer differs from its default on CUDA alone: elsewhere it would time
+    # the same math twice (peers.STRICT).
+    peers = [p for p in wanted if not (p.startswith("torch") and missing)
+             and not (p == STRICT and args.device != "gpu")]
     todo = case_lib.cases(groups, quick=args.quick, device=args.device)
     if args.filter:
         todo = [c for c in todo if re.search(args.filter, c.name)]
@@ -90,7 +93,9 @@ def run(args):
         pool.close()
     print(file=sys.stderr)
     sections = [
-        ("Grid: fusedrnn vs torch.nn, per mode (ratio = torch time / fusedrnn time)",
+        ("Grid: fusedrnn vs torch.nn, per mode (ratio = torch time / fusedrnn time" + (
+            "; float32 on CUDA: against cuDNN strict, torch-strict, TF32 off; torch's "
+            "default, TF32 allowed, beside)" if STRICT in peers else ")"),
          report.grid_headline(results)),
         ("Training steps through the torch modules (each peer in its own process)",
          report.train_step_table(results)),
@@ -164,6 +169,8 @@ def _machine(args, repeats):
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
         if args.device == "gpu":
             info["gpu"] = torch.cuda.get_device_name()
+            # the "torch" peer's cuDNN math as users get it (peers.STRICT)
+            info["cudnn_allow_tf32_default"] = torch.backends.cudnn.allow_tf32
     except ImportError:
         pass
     where = info.get("gpu", info["cpu"]["name"])

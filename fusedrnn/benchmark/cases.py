@@ -104,11 +104,14 @@ def cases(groups, quick=False, device="cpu"):
 
 
 def peers_of(case):
-    """Who runs a case: everyone, except that the grid's headline and the train steps are
-    against torch.nn alone (the naive loops would double the grid's time)."""
-    if case.group in ("grid", "train-step", "cold"):
+    """Who runs a case: everyone, except that the grid's headline is against torch.nn alone
+    (both of its cuDNN settings on the GPU; the naive loops would double the grid's time)
+    and the train steps and first use are torch.nn's modules as users run them."""
+    if case.group == "grid":
+        return ("fusedrnn", "torch", "torch-strict")
+    if case.group in ("train-step", "cold"):
         return ("fusedrnn", "torch")
-    return ("fusedrnn", "torch", "naive", "naive-hoisted")
+    return ("fusedrnn", "torch", "torch-strict", "naive", "naive-hoisted")
 
 
 def grid_axes(quick, device):

@@ -12,7 +12,12 @@ import fusedrnn
 from ..config import CELLS
 
 # Peers of the op: fusedrnn's call, torch.nn's module, the textbook loops.
-OP_PEERS = ("fusedrnn", "torch", "naive", "naive-hoisted")
+OP_PEERS = ("fusedrnn", "torch", "torch-strict", "naive", "naive-hoisted")
+# torch.nn's float32 RNNs on CUDA run cuDNN with TF32 tensor cores allowed by default
+# (torch.backends.cudnn.allow_tf32): "torch" is that default, "torch-strict" the same
+# module with TF32 off, the same math as fusedrnn's float32 (the fair anchor). Elsewhere
+# (the CPU, other dtypes) the flag changes nothing and the strict peer does not run.
+STRICT = "torch-strict"
 # The train-step group has two: fusedrnn.torch's module and torch.nn's, in the same model.
 STEP_PEERS = ("fusedrnn", "torch")
 # --dtype names numpy spells through ml_dtypes (the CPU's half precision: fusedrnn takes
@@ -67,6 +72,9 @@ def make(name, case, xp, dtype, torch_device):
         return fusedrnn_peer(inputs)
     if name == "torch":
         return torch_peer(inputs, torch_device)
+    if name == STRICT:
+        return torch_peer(inputs, torch_device, strict=True) if strict_differs(
+            torch_device, dtype) else None
     return naive_peer(inputs, hoisted=name == "naive-hoisted")
 
 
@@ -91,8 +99,18 @@ def torch_module(mode, *args, fused=False, **kwargs):
     return CELLS[mode].torch_module(nn, *args, **kwargs)
 
 
-def torch_peer(inputs, device):
+def strict_differs(torch_device, dtype):
+    """Whether torch's TF32 switch changes torch.nn's math for this device and dtype."""
+    return torch_device == "cuda" and numpy_dtype(dtype) == np.float32
+
+
+def torch_peer(inputs, device, strict=False):
+    """torch.nn's module on `device`; strict: with cuDNN's TF32 off in this (the peer's
+    own) process, set before the first call."""
     import torch
+    if strict:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     c = inputs.case
     dtype = getattr(torch, inputs.host["data"].dtype.name)   # the peers' dtype
     module = torch_module(c.mode, c.I, c.H, num_layers=c.L, bidirectional=c.bidirectional)

@@ -1,6 +1,8 @@
 """The benchmark's outputs: markdown tables (the grid's headline first), a JSON file, a
 throughput-vs-batch plot and the grid's heat map. A ratio is always the peer's time over
-fusedrnn's: above 1, fusedrnn is faster."""
+fusedrnn's: above 1, fusedrnn is faster. "x torch" is against torch.nn in the same math:
+where the strict peer ran (float32 on CUDA, peers.STRICT) that is cuDNN with TF32 off,
+and torch's default (TF32 allowed) is printed beside it."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +10,7 @@ import json
 import math
 
 from ..config import CELLS
+from .peers import STRICT
 
 
 def _value(case, seconds):
@@ -20,11 +23,23 @@ def _cell(case, s):
     return f"{_value(case, s['median']):.4g} ({lo:.4g}-{hi:.4g})"
 
 
-def ratio(times, peer="torch"):
-    """peer's median time over fusedrnn's, or None where the peer did not run."""
+def anchor(times):
+    """The torch.nn peer a case's ratio is against: the strict one where it ran."""
+    return STRICT if STRICT in times else "torch"
+
+
+def ratio(times, peer=None):
+    """peer's (default: the anchor's) median time over fusedrnn's, or None where the peer
+    did not run."""
+    peer = peer or anchor(times)
     if peer not in times:
         return None
     return times[peer]["median"] / times["fusedrnn"]["median"]
+
+
+def default_ratio(times):
+    """The ratio against torch's default where the anchor is the strict peer, else None."""
+    return ratio(times, "torch") if STRICT in times else None
 
 
 def geomean(values):
@@ -56,29 +71,40 @@ def ceiling_lines(ceilings):
 
 def grid_headline(results):
     """Markdown: per mode and kind, the grid's cells, geometric mean, worst and best ratio
-    against torch.nn, and how many cells fall below 0.8x."""
-    rows = ["| mode | kind | cells | geomean x torch | worst (case) | best | cells < 0.8x |",
-            "|---|---|---|---|---|---|---|"]
-    everything = []
+    against torch.nn (the anchor), and how many cells fall below 0.8x; where the strict
+    peer ran, the geometric mean and worst against torch's default beside."""
+    strict = any(STRICT in t for c, t in results if c.group == "grid")
+    extra = " geomean x torch default | worst x default |" if strict else ""
+    rows = ["| mode | kind | cells | geomean x torch | worst (case) | best | cells < 0.8x |" +
+            extra, "|---|---|---|---|---|---|---|" + "---|" * (2 if strict else 0)]
+    everything, defaults = [], []
+
+    def beside(values):
+        if not strict:
+            return ""
+        return f" {geomean(values):.2f} | {min(values):.2f} |" if values else " n/a | n/a |"
+
     for mode in CELLS:
         for train in (False, True):
-            cells = [(c, ratio(t)) for c, t in results
+            cells = [(c, ratio(t), default_ratio(t)) for c, t in results
                      if c.group == "grid" and c.mode == mode and c.train == train
                      and ratio(t) is not None]
             if not cells:
                 continue
-            values = [r for _, r in cells]
+            values = [r for _, r, _ in cells]
+            default = [d for _, _, d in cells if d is not None]
             everything += values
+            defaults += default
             worst = min(cells, key=lambda cr: cr[1])
             rows.append(f"| {mode} | {'train' if train else 'infer'} | {len(cells)} | "
                         f"{geomean(values):.2f} | {worst[1]:.2f} (T={worst[0].T} "
                         f"N={worst[0].N} H={worst[0].H}) | {max(values):.2f} | "
-                        f"{sum(v < 0.8 for v in values)} |")
+                        f"{sum(v < 0.8 for v in values)} |" + beside(default))
     if not everything:
         return None
     rows.append(f"| all | both | {len(everything)} | {geomean(everything):.2f} | "
                 f"{min(everything):.2f} | {max(everything):.2f} | "
-                f"{sum(v < 0.8 for v in everything)} |")
+                f"{sum(v < 0.8 for v in everything)} |" + beside(defaults))
     return "\n".join(rows)
 
 
@@ -176,6 +202,8 @@ def write_json(path, meta, results):
         dict(group=c.group, name=c.name, mode=c.mode, T=c.T, N=c.N, I=c.I, H=c.H, L=c.L,
              bidirectional=c.bidirectional, train=c.train, flops=c.flops, dtype=c.dtype,
              model=c.model, cache=c.cache, ratio_vs_torch=ratio(t) if "fusedrnn" in t else None,
+             anchor=anchor(t), ratio_vs_torch_default=(default_ratio(t) if "fusedrnn" in t
+                                                      else None),
              unit="us/call" if c.per_call else "samples/s", seconds=t, **rates(c, t))
         for c, t in results])
     with open(path, "w") as f:

@@ -184,6 +184,39 @@ def test_grid_headline_arithmetic():
     assert lines[-1].startswith("| all | both | 3 |")
 
 
+def test_float32_on_cuda_is_against_strict_cudnn_with_the_default_beside():
+    """Where the strict peer ran (cuDNN with TF32 off), a case's ratio is against it and
+    torch's default is the second ratio; elsewhere the ratio is torch's and none beside."""
+    def times(strict, default):
+        return {"fusedrnn": {"median": 1.0}, "torch-strict": {"median": strict},
+                "torch": {"median": default}}
+    results = [(Case("grid", "lstm", 300, n, 800, 800, train=True), times(s, d))
+               for n, s, d in ((20, 2.0, 1.0), (128, 0.5, 0.25))]
+    assert report.ratio(results[0][1]) == 2.0 and report.default_ratio(results[0][1]) == 1.0
+    assert report.anchor(results[0][1]) == "torch-strict"
+    lines = report.grid_headline(results).splitlines()
+    assert lines[0].endswith("| geomean x torch default | worst x default |")
+    lstm = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert lstm[3:5] == ["1.00", "0.50 (T=300 N=128 H=800)"]   # geomean(2, 0.5); worst
+    assert lstm[-2:] == [f"{(1.0 * 0.25) ** 0.5:.2f}", "0.25"]
+    cpu = _times(3.0)
+    assert report.ratio(cpu) == 3.0 and report.default_ratio(cpu) is None
+    assert "default" not in report.grid_headline(
+        [(Case("grid", "gru", 20, 1, 64, 64), cpu)]).splitlines()[0]
+
+
+def test_strict_peer_runs_where_the_flag_changes_the_math():
+    from fusedrnn.benchmark import peers
+    assert peers.strict_differs("cuda", "float32")
+    assert not peers.strict_differs("cpu", "float32")
+    assert not peers.strict_differs("cuda", "float64")
+    assert not peers.strict_differs("cuda", "float16")
+    import numpy as np
+    case = Case("grid", "gru", 2, 1, 4, 4)
+    assert peers.make("torch-strict", case, np, "float32", "cpu") is None
+    assert "torch-strict" in case_lib.peers_of(case)
+
+
 def test_cpu_grid_is_a_subset_of_the_full_grid():
     for axis, full, cpu in zip("TNH", case_lib.GRID_FULL, case_lib.GRID_CPU):
         assert set(cpu) <= set(full), axis
