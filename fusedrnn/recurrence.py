@@ -25,6 +25,7 @@ initial state) at the cost of the padded batch, with no per-sample loop.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Protocol, runtime_checkable
 
@@ -122,6 +123,69 @@ class SingleStep(Protocol):
         """forward at T=1 from the layer input x2d (N, K) and the raw W_x."""
 
 
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How one op holds and multiplies its values, decided once per op (decide) from the
+    data's dtype, the dtype it stands for, the backend's products and the fused layer's
+    abilities; the op and its drivers read it and decide nothing of their own.
+
+    io:                the data's dtype: arrays come in and leave in it.
+    compute:           the dtype every value between the edges is held in
+                       (config.PRECISIONS: float32 for the half dtypes).
+    storage:           the half dtype the data is stored in: io's own, or the one float32
+                       data stands for (op.RNN's _stored_as); None for float32/float64.
+    half_gemms:        the backward's GEMMs run on the backend's products in `storage`
+                       (CpuBackend: bfloat16 pairs; GpuBackend: cuBLAS in half) with
+                       float32 sums, else in `compute`.
+    projects_in_half:  the op's input projection too (backend.pair_projection at T*N).
+    data_in_place:     an inference hands the fused layer the data as it came, unconverted
+                       (FusedLayer.reads_storage, where the layer projects its own input).
+    weights_in_place:  ... and the weights: the op converts the biases alone
+                       (FusedLayer.reads_weights; the T=1 form too, its N rows converted).
+    trains_in_place:   a training forward reads the data in place as well: the backward's
+                       half GEMMs pack the data's bits as they are, so no float32 copy.
+    fuses_input:       the fused layer multiplies W_x x_t in its loop: no projection.
+    """
+
+    io: str
+    compute: str
+    storage: str | None
+    half_gemms: bool = False
+    projects_in_half: bool = False
+    data_in_place: bool = False
+    weights_in_place: bool = False
+    trains_in_place: bool = False
+    fuses_input: bool = False
+
+    @property
+    def converts(self) -> bool:
+        """Whether values are converted at the edges (io is a half dtype)."""
+        return self.io != self.compute
+
+    @staticmethod
+    def storage_of(dtype, stored_as):
+        """The half dtype data of `dtype` is stored in (stored_as: op.RNN's), or None."""
+        return dtype.name if PRECISIONS[dtype.name].compute != dtype.name else stored_as
+
+    @classmethod
+    def decide(cls, backend, dtype, stored_as, layer, single, seq_len, batch):
+        """The plan for data of `dtype` (`stored_as`: op.RNN's), the backend's fused layer
+        (None: the per-step path), `single` where its T=1 form runs, at (seq_len, batch)."""
+        compute, storage = PRECISIONS[dtype.name].compute, cls.storage_of(dtype, stored_as)
+        half_gemms = storage is not None and backend.pair_products(storage)
+        data_in_place = (layer is not None and layer.reads_storage and layer.projects_input
+                         and not single)
+        return cls(
+            io=dtype.name, compute=compute, storage=storage, half_gemms=half_gemms,
+            projects_in_half=half_gemms and backend.pair_projection(seq_len * batch),
+            data_in_place=data_in_place,
+            weights_in_place=(layer is not None and layer.reads_weights and
+                              (data_in_place or single)),
+            trains_in_place=data_in_place and half_gemms,
+            fuses_input=(layer is not None and not single and
+                         layer.fuses_input(seq_len, batch)))
+
+
 class RecurrentOp:
     """One op instance for fixed (config, T, N, dtype) on one backend.
 
@@ -135,41 +199,21 @@ class RecurrentOp:
 
     def __init__(self, backend, config, seq_len, batch, dtype, stored_as=None):
         self.backend, self.config, self.xp = backend, config, backend.xp
-        # dtype: the data's; self.dtype: the one everything inside runs in (config.PRECISIONS).
-        self.io_dtype = dtype
-        self.converts = PRECISIONS[dtype.name].compute != dtype.name
-        # The backward's GEMMs (and the input projection where the backend runs it there:
-        # pair_projection) on the backend's half-precision products where it has them for
-        # this storage (CpuBackend.pair_products: bfloat16 pairs; GpuBackend's: cuBLAS in
-        # half), else in self.dtype. stored_as: float32 data standing for that half dtype
-        # (op.RNN's _stored_as); _half: the half dtype the data is stored in, if any.
-        self._half = dtype.name if self.converts else stored_as
-        self._pairs = self._half is not None and backend.pair_products(self._half)
-        dtype = np.dtype(PRECISIONS[dtype.name].compute)
-        self.T, self.N, self.dtype = seq_len, batch, dtype
+        self.io_dtype, self.dtype = dtype, np.dtype(PRECISIONS[dtype.name].compute)
+        self.T, self.N = seq_len, batch
         self.layout = ParamLayout(config)
-        layer = backend.fused_layer(config, dtype, batch, storage=self._half)
+        layer = backend.fused_layer(config, self.dtype, batch,
+                                    storage=PrecisionPlan.storage_of(dtype, stored_as))
         self.driver = FusedDriver(self, layer) if layer is not None else \
-            StepDriver(self, *backend.cell_kernels(config.mode, dtype))
-        # An inference forward hands such a layer the data as it came, unconverted.
-        self._data_in_place = (layer is not None and layer.reads_storage and
-                               layer.projects_input and not self.driver.single)
-        # ... and its weights: an inference then converts the biases alone (into b32). The
-        # T=1 form reads them in place too (its data, N rows, is converted).
-        self._weights_in_place = (layer is not None and layer.reads_weights and
-                                  (self._data_in_place or self.driver.single))
-        # A training forward too reads the data in place where the backward's GEMMs run
-        # on pairs (the weight gradient packs the data's bits as they are): no x32.
-        self._trains_in_place = self._data_in_place and self._pairs
-        self._projects_in_half = self._pairs and backend.pair_projection(seq_len * batch)
+            StepDriver(self, *backend.cell_kernels(config.mode, self.dtype))
+        self.plan = PrecisionPlan.decide(backend, dtype, stored_as, layer,
+                                         layer is not None and self.driver.single, seq_len,
+                                         batch)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
         max_in = max(config.layer_input_size(layer) for layer in range(L))
-        # The fused layer multiplies W_x x_t in its loop: no xproj (decided once per op)
-        self.fuses_input = (layer is not None and not self.driver.single and
-                            layer.fuses_input(seq_len, batch))
-        self.scratch, self.nbytes = _carve(self.xp, dtype, {
-            "xproj": (0 if self.fuses_input else T * N, D * GH),
+        self.scratch, self.nbytes = _carve(self.xp, self.dtype, {
+            "xproj": (0 if self.plan.fuses_input else T * N, D * GH),
             "wx_packed": (D * GH * max_in if D > 1 else 0,),
             "hs": (D, T + 1, N, R),        # inference only: training uses the reserve's
             "cs": (D, T + 1, N, H if config.cell.has_cell_state else 0),
@@ -178,14 +222,14 @@ class RecurrentOp:
             "empty": (0, 0),
             # the input projection's half copies (project_input)
             "pairs": (max(backend.pair_scratch(T * N, config.layer_input_size(layer), D * GH)
-                          for layer in range(L)) if self._projects_in_half else 0,),
+                          for layer in range(L)) if self.plan.projects_in_half else 0,),
             **self.driver.forward_scratch(),
         })
         self.no_lengths = self.xp.empty(0, dtype="int64")
         # Where the op's GEMMs run (the CPU backend caps BLAS's threads for small ones). The
         # forward of a fused layer that projects its own input runs no BLAS at all.
         self.blas = backend.blas_scope(config, seq_len, batch,
-                                       own_gemms=self._pairs and layer is not None)
+                                       own_gemms=self.plan.half_gemms and layer is not None)
         self._forward_blas = self.blas if not (
             layer is not None and layer.projects_input) else None
         self._backward_scratch = None
@@ -239,12 +283,12 @@ class RecurrentOp:
 
     def project_input(self, layer, x, params):
         """scratch.xproj = W_x x_t of every step and both directions, one GEMM (in half
-        where _projects_in_half)."""
+        where the plan projects_in_half)."""
         x2d = x.reshape(self.T * self.N, -1)
         w_t = self.packed_wx(params, layer).T
-        if self._projects_in_half:
+        if self.plan.projects_in_half:
             self.backend.matmul(x2d, w_t, self.scratch.xproj,
-                                pairs=self.scratch.pairs.view(np.uint32), half=self._half)
+                                pairs=self.scratch.pairs.view(np.uint32), half=self.plan.storage)
         else:
             self.backend.matmul(x2d, w_t, self.scratch.xproj)
 
@@ -288,9 +332,9 @@ class RecurrentOp:
     # in place needs no x32 in the scratch.
     def _edge_buffers(self, scratch=False):
         T, N, cfg = self.T, self.N, self.config
-        on = self.converts
-        data = on and not (self._trains_in_place or (scratch and self._data_in_place))
-        biases = scratch and self._weights_in_place   # then no p32 either
+        on, plan = self.plan.converts, self.plan
+        data = on and not (plan.trains_in_place or (scratch and plan.data_in_place))
+        biases = scratch and plan.weights_in_place   # then no p32 either
         return {"b32": (cfg.num_layers * cfg.directions * 2 * cfg.gate_rows if biases else 0,),
                 "x32": (T if data else 0, N, cfg.input_size),
                 "p32": (self.layout.size if on and not biases else 0,),
@@ -298,7 +342,7 @@ class RecurrentOp:
 
     def _backward_edges(self):
         T, N, cfg = self.T, self.N, self.config
-        on = self.converts
+        on = self.plan.converts
         return {"dout32": (T if on else 0, N, cfg.directions * cfg.recurrent_size),
                 "g_data32": (T if on else 0, N, cfg.input_size),
                 "g_params32": (self.layout.size if on else 0,)}
@@ -315,11 +359,12 @@ class RecurrentOp:
         """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
         records what backward needs into it."""
         out = biases = None
-        if self.converts:
+        if self.plan.converts:
             keep, convert = (reserve or self.scratch), self.backend.astype
-            if not (self._data_in_place and (reserve is None or self._trains_in_place)):
+            if not (self.plan.data_in_place and (reserve is None or
+                                                 self.plan.trains_in_place)):
                 data = convert(data, self.dtype, keep.x32)
-            if self._weights_in_place and reserve is None:
+            if self.plan.weights_in_place and reserve is None:
                 biases = self._biases(params)   # the weights are read as they came
             else:
                 params = convert(params, self.dtype, keep.p32)
@@ -332,7 +377,7 @@ class RecurrentOp:
         else:
             with self._forward_blas:
                 outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases)
-        return self._outward(*outputs) if self.converts else outputs
+        return self._outward(*outputs) if self.plan.converts else outputs
 
     def _biases(self, params):
         """{(layer, d, kind): float32 bias} for kind b_x and b_h, converted into scratch.b32
@@ -415,23 +460,23 @@ class RecurrentOp:
                 yield R, TN, H
 
     def _pair_scratch(self):
-        if not self._pairs:
+        if not self.plan.half_gemms:
             return 0
         return max(self.backend.pair_scratch(*shape) for shape in self._gemm_shapes())
 
     def _gemm(self, b, a, w, out, transpose_a=False, a_again=False):
         """out = a @ w (a^T @ w): the backward's GEMMs, on the backend's half-precision
-        products where the op has them (self._pairs), else in self.dtype. a_again: the
+        products where the plan has them (half_gemms), else in self.dtype. a_again: the
         same a as the call before (its pairs are reused)."""
-        if self._pairs:
+        if self.plan.half_gemms:
             return self.backend.matmul(a, w, out, transpose_a, pairs=b.pairs.view(np.uint32),
-                                       a_paired=a_again, half=self._half)
+                                       a_paired=a_again, half=self.plan.storage)
         return self.backend.matmul(a, w, out, transpose_a)
 
     def backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         """Gradients (data, parameters, state, state_cell) of sum(out*dout) + sum(hy*dhy)
         + sum(cy*dcy); any head gradient may be None (zero)."""
-        if self.converts:
+        if self.plan.converts:
             data, params, h0, c0 = reserve.inputs
             b = self._backward_buffers()
             if dout is not None:
@@ -439,14 +484,14 @@ class RecurrentOp:
             dhy, dcy = self._inward(dhy, dcy)
         with self.blas:
             grads = self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
-        return self._outward(*grads) if self.converts else grads
+        return self._outward(*grads) if self.plan.converts else grads
 
     def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         cell, lay = cfg.cell, self.layout
         b = self._backward_buffers()
-        if self.converts:   # rounded into fresh arrays as they leave
+        if self.plan.converts:   # rounded into fresh arrays as they leave
             g_params, g_data = b.g_params32, b.g_data32
         else:
             g_params = xp.empty(lay.size, dtype=self.dtype)
@@ -658,7 +703,7 @@ class FusedDriver:
         D, GH = cfg.directions, cfg.gate_rows
         record = saved if saved is not None else self._no_record
         scratch = self._forward_views()
-        fuses = op.fuses_input
+        fuses = op.plan.fuses_input
         x_pairs, xproj = None, None
         if fuses:   # the loop multiplies W_x x_t itself
             x_pairs = fused.input_pairs(x.reshape(T * N, -1), scratch)

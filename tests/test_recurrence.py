@@ -109,3 +109,116 @@ def test_carved_views_start_on_cache_lines(dtype):
         view[...] = {"a": 1, "b": 2, "c": 3}[name]
     assert (views.a == 1).all() and (views.b == 2).all() and (views.c == 3).all()
     assert views.empty.shape == (0, 4) and nbytes >= (15 + 7 + 18) * np.dtype(dtype).itemsize
+
+
+# ---- the precision plan: decided once per op, pinned for each dtype and backend ---------
+def _plan(backend, dtype, T, N, mode="lstm", stored_as=None):
+    cfg = RNNConfig(mode=mode, input_size=16, state_size=16, num_layers=1,
+                    bidirectional=False)
+    return RecurrentOp(backend, cfg, T, N, np.dtype(dtype), stored_as).plan
+
+
+def _plans(**flags):
+    return {name: flags.get(name, False) for name in
+            ("half_gemms", "projects_in_half", "data_in_place", "weights_in_place",
+             "trains_in_place", "fuses_input")}
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_the_cpu_backends_precision_plans(mode):
+    """float32 and float64 are held and multiplied as they come; float16 is widened at the
+    edges, the fused loop reading the data in place from T=2; bfloat16 on AVX512-BF16
+    multiplies pairs everywhere, in place, and from FUSED_INPUT_ROWS rows projects inside
+    the loop (without it, as float16)."""
+    from dataclasses import asdict
+    from fusedrnn.cpu.fused import FUSED_INPUT_ROWS
+    from fusedrnn.cpu.lowlevel import HAS_BF16
+    import ml_dtypes
+    rows = FUSED_INPUT_ROWS
+    for dtype in (np.float64, np.float32):
+        for T, N in ((1, 4), (20, 4), (20, rows)):
+            plan = _plan(CPU, dtype, T, N, mode)
+            assert (plan.io, plan.compute, plan.storage, plan.converts) == (
+                np.dtype(dtype).name, np.dtype(dtype).name, None, False)
+            assert {k: v for k, v in asdict(plan).items() if k in _plans()} == _plans()
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    expected = {
+        ("float16", 1, 4): _plans(),
+        ("float16", 20, 4): _plans(data_in_place=True),
+        ("float16", 20, rows): _plans(data_in_place=True),
+        ("bfloat16", 1, 4): _plans(half_gemms=True, weights_in_place=True) if HAS_BF16
+        else _plans(),
+        ("bfloat16", 20, rows - 1): _plans(half_gemms=True, data_in_place=True,
+                                           weights_in_place=True, trains_in_place=True)
+        if HAS_BF16 else _plans(data_in_place=True),
+        ("bfloat16", 20, rows): _plans(half_gemms=True, data_in_place=True,
+                                       weights_in_place=True, trains_in_place=True,
+                                       fuses_input=True)
+        if HAS_BF16 else _plans(data_in_place=True),
+    }
+    for (name, T, N), flags in expected.items():
+        plan = _plan(CPU, bf16 if name == "bfloat16" else np.float16, T, N, mode)
+        assert (plan.io, plan.compute, plan.storage, plan.converts) == (
+            name, "float32", name, True), (name, T, N)
+        assert {k: v for k, v in asdict(plan).items() if k in flags} == flags, (name, T, N)
+
+
+class _CupyStandIn:
+    """numpy, with the one CuPy fact GpuBackend.pair_products reads: the device's compute
+    capability."""
+
+    def __init__(self, capability):
+        from types import SimpleNamespace
+        device = SimpleNamespace(compute_capability=str(capability))
+        self.cuda = SimpleNamespace(Device=lambda: device)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+class _GpuPlanBackend:
+    """GpuBackend's precision decisions (its pair_products and pair_projection) with the
+    persistent layer's plan for an H100, its launches never run."""
+
+    def __init__(self, capability):
+        from fusedrnn.gpu import GpuBackend
+        self.gpu = GpuBackend(_CupyStandIn(capability))
+        self.xp = self.gpu.xp
+        self.pair_products, self.pair_projection = (self.gpu.pair_products,
+                                                    self.gpu.pair_projection)
+        self.pair_scratch = self.gpu.pair_scratch
+        self.blas_scope = self.gpu.blas_scope
+
+    def fused_layer(self, config, dtype, batch, storage=None):
+        from fusedrnn.gpu.persistent import op_plan
+        plan = op_plan(config.cell.gates, config.state_size, batch, np.dtype(dtype).itemsize,
+                       DeviceLimits(132, 227 * 1024, 90), storage)
+        return PersistentLayer(config.mode, plan, np, lambda *a: None, lambda *a: None)
+
+
+def test_the_gpu_backends_precision_plans(monkeypatch):
+    """float32 is held and multiplied as it comes; float16, and float32 standing for
+    bfloat16 (torch's CUDA bfloat16), run their large GEMMs in half from compute
+    capability 8.0, the input projection from MIN_PROJECTION_ROWS rows; the persistent
+    layer reads nothing in place. FUSEDRNN_GPU_HALF_GEMMS=0 keeps them float32."""
+    from dataclasses import asdict
+    from fusedrnn.gpu.halfgemm import HALF_GEMMS_ENV, MIN_PROJECTION_ROWS
+    monkeypatch.delenv(HALF_GEMMS_ENV, raising=False)
+    gpu, old = _GpuPlanBackend(90), _GpuPlanBackend(75)
+    big, small = (MIN_PROJECTION_ROWS // 4, 4), (MIN_PROJECTION_ROWS // 4 - 1, 4)
+
+    def flags(plan):
+        return {k: v for k, v in asdict(plan).items() if k in _plans()}
+
+    for T, N in (big, small):
+        plan = _plan(gpu, np.float32, T, N)
+        assert (plan.storage, plan.converts, flags(plan)) == (None, False, _plans())
+        for dtype, stored_as, storage in ((np.float16, None, "float16"),
+                                          (np.float32, "bfloat16", "bfloat16")):
+            plan = _plan(gpu, dtype, T, N, stored_as=stored_as)
+            assert plan.storage == storage and plan.converts == (dtype == np.float16)
+            assert flags(plan) == _plans(half_gemms=True,
+                                         projects_in_half=(T, N) == big), (dtype, T, N)
+            assert flags(_plan(old, dtype, T, N, stored_as=stored_as)) == _plans()
+    monkeypatch.setenv(HALF_GEMMS_ENV, "0")
+    assert flags(_plan(gpu, np.float16, *big)) == _plans()

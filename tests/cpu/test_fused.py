@@ -404,7 +404,7 @@ def _bf16_op(mode, T, N=3, I=6, H=20):
 def test_bfloat16_takes_the_vdpbf16ps_layer_where_the_cpu_has_it(mode):
     from fusedrnn.cpu.lowlevel import HAS_BF16
     op = _bf16_op(mode, T=6)
-    assert op.dtype == np.float32 and op.converts and op._data_in_place
+    assert op.dtype == np.float32 and op.plan.converts and op.plan.data_in_place
     # without the instruction, the float32 layer that widens the data as it reads it
     assert op.driver.layer.bf16 is HAS_BF16 and op.driver.layer.widens is not HAS_BF16
     # each layer carves the input weights' panels it projects from, and only those
@@ -412,7 +412,7 @@ def test_bfloat16_takes_the_vdpbf16ps_layer_where_the_cpu_has_it(mode):
     assert bool(np.prod(shapes["wx_pairs"])) is HAS_BF16
     assert bool(np.prod(shapes["wx_panels"])) is not HAS_BF16
     single = _bf16_op(mode, T=1)   # the T=1 form runs in float32 between the conversions
-    assert single.driver.single and not single._data_in_place
+    assert single.driver.single and not single.plan.data_in_place
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
@@ -463,7 +463,7 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
     op = RecurrentOp(cpu.BACKEND, RNNConfig(mode=mode, input_size=8, state_size=24,
                                             num_layers=L, bidirectional=D == 2),
                      6, 5, np.dtype(ml_dtypes.bfloat16))
-    assert op._weights_in_place is HAS_BF16
+    assert op.plan.weights_in_place is HAS_BF16
     assert (op.scratch.p32.size == 0) is HAS_BF16   # no float32 copy of them carved
     if HAS_BF16:
         assert half["parameters"].size not in converted and half["data"].size not in converted
@@ -576,7 +576,7 @@ def test_bfloat16_layer_multiplies_the_input_in_its_loop_from_fused_input_rows(m
     for T, N in [(6, fused.FUSED_INPUT_ROWS - 1), (6, fused.FUSED_INPUT_ROWS), (1, 16)]:
         op = _bf16_op(mode, T=T, N=N, H=H)
         fuses = HAS_BF16 and T > 1 and N >= fused.FUSED_INPUT_ROWS
-        assert op.fuses_input is fuses, (T, N)
+        assert op.plan.fuses_input is fuses, (T, N)
         assert op.scratch.xproj.shape == (0 if fuses else T * N, 2 * G * H)
 
 
