@@ -7,12 +7,12 @@ case reports the median block with min-max. Nobody pauses before a call.
 
 Each peer runs in a worker process of its own (`python -m fusedrnn.benchmark.worker`),
 because on 2 cores a peer's idle threads tax whoever runs next: OpenBLAS's threads spin
-for about 0.1 s after a call and OpenMP pools spin too. Measured on the 2-core machine,
-in one process: fusedrnn's rnn_relu loop (T=300 N=20 H=800) took 210 ms right after an
-OpenBLAS GEMM and 143 ms 0.3 s later. Across processes the spinning of the peer that ran
-the last block still overlaps the next one's first calls, so each turn starts with
-untimed warm-in calls (WARM_S of them, at most a block) before its timed block: the turn
-measures the steady loop, not the hand-over.
+for about 0.1 s after a call and OpenMP pools spin too. Across processes that spinning
+still overlaps the next turn, so a peer's figure depended on which peers ran before it
+(bench/results/cpu.md#peers-do-not-disturb-each-other). So a turn starts only once every
+other worker has gone idle (Pool.wait_quiet: their threads' CPU time stops growing),
+then runs untimed warm-in calls (WARM_S of them, at most a block) that wake its own
+threads, then its timed block: the turn measures the steady loop, not the hand-over.
 
 Train-step cases also time, after each step, the torch Linear + loss of peers.TrainStep:
 the same torch ops in the process that trains fusedrnn.torch and in the one that trains
@@ -20,6 +20,7 @@ torch.nn, so their ratio is what fusedrnn's threads cost a program's other ops.
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -136,6 +137,42 @@ class Worker:
         self.proc.wait(timeout=30)
 
 
+def cpu_ns(pid):
+    """CPU time so far of every thread of process `pid` (ns; Linux's schedstat), or None
+    where the system does not tell."""
+    total = 0
+    try:
+        for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            with open(path) as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total if total else None
+
+
+QUIET_WINDOW_S = 0.01   # others count as idle when, over this long,
+QUIET_SHARE = 0.05      # their threads ran less than this share of it
+QUIET_TIMEOUT_S = 2.0   # a peer that never idles (a busy machine) delays a turn this long
+
+
+def wait_quiet(pids, window_s=QUIET_WINDOW_S, share=QUIET_SHARE, timeout_s=QUIET_TIMEOUT_S):
+    """Waits until the processes `pids` have gone idle (their threads' CPU time grew by
+    less than `share` of a window over one window) or `timeout_s` has passed; where /proc
+    does not tell, waits one timeout's tenth instead. Returns the seconds waited."""
+    start = time.perf_counter()
+    before = [cpu_ns(pid) for pid in pids]
+    if any(b is None for b in before):
+        time.sleep(timeout_s / 10)
+        return time.perf_counter() - start
+    while time.perf_counter() - start < timeout_s:
+        time.sleep(window_s)
+        after = [cpu_ns(pid) or 0 for pid in pids]
+        if sum(after) - sum(before) < share * window_s * 1e9:
+            break
+        before = after
+    return time.perf_counter() - start
+
+
 class Pool:
     """Worker processes by (peer, kind), started on first use: op cases and train steps
     get separate processes, so torch's thread pool, started by a train step, never idles
@@ -144,6 +181,12 @@ class Pool:
     def __init__(self, device):
         self.device = device
         self.workers = {}
+
+    def wait_quiet(self, worker):
+        """Before `worker`'s turn: every other worker idle (module doc)."""
+        others = [w.proc.pid for w in self.workers.values()
+                  if w is not worker and w.proc.poll() is None]
+        return wait_quiet(others) if others else 0.0
 
     def get(self, peer, kind):
         key = (peer, kind)
@@ -164,6 +207,7 @@ def run_case(pool, case, dtype, peer_names, repeats, block_s=BLOCK_S):
     prepared = {}
     for name in peer_names:
         worker = pool.get(name, kind)
+        pool.wait_quiet(worker)   # the block is sized on a quiet machine too
         reply = worker.ask(action="prepare", case=asdict(case), dtype=dtype, block_s=block_s,
                            warm_s=WARM_S)
         if not reply.get("skip"):
@@ -171,6 +215,7 @@ def run_case(pool, case, dtype, peer_names, repeats, block_s=BLOCK_S):
     times = {}
     for _ in range(repeats):  # turns alternate, so drift on a shared machine hits all alike
         for name, worker in prepared.items():
+            pool.wait_quiet(worker)
             reply = worker.ask(action="block")
             times.setdefault(name, []).append(reply["seconds"])
             if "neighbour" in reply:

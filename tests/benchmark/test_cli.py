@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from fusedrnn.benchmark import cases as case_lib
 from fusedrnn.benchmark import report
 from fusedrnn.benchmark.cases import Case
+from fusedrnn.benchmark.peers import OP_PEERS
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -215,6 +217,43 @@ def test_strict_peer_runs_where_the_flag_changes_the_math():
     case = Case("grid", "gru", 2, 1, 4, 4)
     assert peers.make("torch-strict", case, np, "float32", "cpu") is None
     assert "torch-strict" in case_lib.peers_of(case)
+
+
+def test_a_peers_figure_does_not_depend_on_which_peers_ran(tmp_path):
+    """fusedrnn's decoder step alone and beside every other peer (whose BLAS and OpenMP
+    threads spin after their turns): the two runs' blocks overlap. Before turns waited
+    for the others to idle, beside them it took 2.6x as long (1385 against 3597 us)."""
+    spans = {}
+    for peers in ("fusedrnn", ",".join(p for p in OP_PEERS if p != "torch-strict")):
+        path = tmp_path / f"{len(peers)}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "fusedrnn", "bench", "--cases", "seq2seq", "--filter",
+             "^gru T=1 N=64 ", "--repeats", "5", "--peers", peers, "--json", str(path)],
+            capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
+        assert done.returncode == 0, done.stderr
+        (case,) = json.loads(path.read_text())["cases"]
+        stats = case["seconds"]["fusedrnn"]
+        spans[peers] = (stats["min"], stats["max"])
+    (lo_a, hi_a), (lo_b, hi_b) = spans.values()
+    slack = 0.1 * min(lo_a, lo_b)   # two separate runs, each with its own drift
+    assert lo_a - slack <= hi_b and lo_b - slack <= hi_a, spans
+
+
+def test_a_turn_waits_for_the_other_workers_to_idle():
+    """runner.wait_quiet returns once a spinning process stops, not before, and at once
+    for an idle one."""
+    from fusedrnn.benchmark import runner
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\n"
+                             "while time.time() < end: pass\ntime.sleep(30)"])
+    try:
+        time.sleep(0.2)   # the interpreter is up and spinning
+        assert runner.cpu_ns(busy.pid) > 0
+        waited = runner.wait_quiet([busy.pid])
+        assert 0.1 < waited < runner.QUIET_TIMEOUT_S
+        assert runner.wait_quiet([busy.pid]) < 0.1   # asleep now
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_cpu_grid_is_a_subset_of_the_full_grid():
