@@ -22,6 +22,12 @@
 #                                          # products, and without its 16-byte staging
 #                                          # loads), after the phases per step with and
 #                                          # without those loads (at most 9 min)
+#   bash bench/gpu_session.sh anchor       # issue 41: the design size (LSTM, GRU; 1 layer
+#                                          # and 5 bidirectional) and the batch sweep against
+#                                          # cuDNN strict (TF32 off) and default, the
+#                                          # persistent kernels' phases with the backward's
+#                                          # GEMMs, and peak memory against cuDNN's with the
+#                                          # 1,000-step growth check (at most 8 min)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -109,8 +115,26 @@ case "$phase" in
         timeout -s KILL 390 $PY -m fusedrnn.benchmark.half --device cuda --rounds 1 \
             --modes lstm,gru "$@" 2>&1 | tee "$OUT/half.log"
         ;;
+    anchor)   # extra arguments go to the design-doc bench (e.g. --repeats 5)
+        info | tee "$OUT/info.txt"
+        timeout -s KILL 200 $PY -m fusedrnn bench --device gpu --cases design-doc \
+            --filter '^(lstm|gru) ' --peers fusedrnn,torch,torch-strict --repeats 3 \
+            --json "$OUT/anchor-design.json" "$@" 2>&1 | tee "$OUT/anchor-design.log" \
+            | tr '\r' '\n' | grep -E '^\| (case|lstm|gru)'
+        timeout -s KILL 120 $PY -m fusedrnn bench --device gpu --cases batch \
+            --peers fusedrnn,torch,torch-strict --repeats 3 --json "$OUT/anchor-batch.json" \
+            --plot "$OUT/anchor-batch.png" 2>&1 | tee "$OUT/anchor-batch.log" \
+            | tr '\r' '\n' | grep -E '^\| (case|lstm)'
+        timeout -s KILL 70 $PY -m fusedrnn.benchmark.gpu_phases --modes lstm,gru 2>&1 \
+            | tee "$OUT/anchor-phases.log"
+        timeout -s KILL 150 $PY -m fusedrnn.benchmark.gpu_memory --modes lstm,gru \
+            --batches 20,256 --steps 0 --json "$OUT/anchor-memory.json" 2>&1 \
+            | tee "$OUT/anchor-memory.log"
+        timeout -s KILL 60 $PY -m fusedrnn.benchmark.gpu_memory --modes lstm --batches 20 \
+            --steps 1000 --json "$OUT/anchor-growth.json" 2>&1 | tee "$OUT/anchor-growth.log"
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half] [arguments]" >&2
+        echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half|anchor] [arguments]" >&2
         exit 2
         ;;
 esac

@@ -8,6 +8,10 @@ staging (and in the backward the recurrent product), 1 the tasks (in the forward
 the product), 2 the wait at the grid barrier. Cycles are averaged over blocks and steps
 and converted at the SM clock the device reports, so they are estimates: a step's time
 is roughly the slowest block's, and the instrumented build adds block barriers.
+Beside the backward, the GEMMs the op runs after its loop (recurrence.RecurrentOp's
+_backward: the weight gradients dG^T X and dG^T H, the data gradient dG W_x), timed by
+themselves with CUDA events at the same shapes and dtype, per call and per step: the
+training step is the loop, the record it reads and these.
 
     PYTHONPATH=. python3 -m fusedrnn.benchmark.gpu_phases \
         [--T 300 --N 20 --H 800 --modes lstm,gru]
@@ -47,6 +51,28 @@ def timed(fn):
     return result, cupy.cuda.get_elapsed_time(start, end) * 1e3
 
 
+def gemm_us(T, N, I, H, gates, dtype, repeats=20):
+    """{name: us} of the backward's three GEMMs of one layer and direction (median of
+    `repeats` after a warm-up), on fresh random operands."""
+    rng = np.random.default_rng(1)
+
+    def operand(*shape):
+        return cupy.asarray(rng.standard_normal(shape), dtype)
+
+    dg, x, h, w_x = operand(T * N, gates * H), operand(T * N, I), operand(T * N, H), \
+        operand(gates * H, I)
+    out = {"dW_x": cupy.empty((gates * H, I), dtype), "dW_h": cupy.empty((gates * H, H), dtype),
+           "dX": cupy.empty((T * N, I), dtype)}
+    products = {"dW_x": lambda: cupy.matmul(dg.T, x, out=out["dW_x"]),
+                "dW_h": lambda: cupy.matmul(dg.T, h, out=out["dW_h"]),
+                "dX": lambda: cupy.matmul(dg, w_x, out=out["dX"])}
+    times = {}
+    for name, product in products.items():
+        product()
+        times[name] = float(np.median([timed(product)[1] for _ in range(repeats)]))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, default=300)
@@ -71,6 +97,7 @@ def main():
     print(f"{device['name'].decode()}, SM clock {clock_khz / 1e3:.0f} MHz; T={T} N={N} "
           f"I=H={H} {args.dtype}, one layer; us per step (averaged over blocks)")
     print(f"| mode | pass | {' | '.join(PHASES)} | sum | whole call / T |")
+    gemms = {}
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         storage = args.dtype if args.dtype != "float32" else None   # the op's own plan
@@ -97,6 +124,15 @@ def main():
                                     ("backward", backward, backward_call_us)):
             cells = " | ".join(f"{v:.2f}" for v in phases)
             print(f"| {mode} | {name} | {cells} | {phases.sum():.2f} | {whole / T:.2f} |")
+        gemms[mode] = gemm_us(T, N, H, H, CELLS[mode].gates, args.dtype)
+    print(f"\nThe backward's GEMMs of one layer (T={T} N={N} I=H={H} {args.dtype}), us per "
+          f"call and per step (/T), beside the backward call above")
+    print("| mode | dW_x = dG^T X | dW_h = dG^T H | dX = dG W_x | sum | sum / T |")
+    print("|---|---|---|---|---|---|")
+    for mode, times in gemms.items():
+        total = sum(times.values())
+        print(f"| {mode} | " + " | ".join(f"{v:.1f}" for v in times.values()) +
+              f" | {total:.1f} | {total / T:.2f} |")
 
 
 if __name__ == "__main__":
