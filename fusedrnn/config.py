@@ -50,6 +50,17 @@ class CellSpec:
                   takes none.
     projection:   projection_size (LSTMP's W_r) applies to this mode.
     state_clip:   lstm_state_clip_min/max apply (they clip the cell state c).
+
+    ONNX export (fusedrnn/torch/onnx.py) writes the mode as one node per layer of
+    ONNX's own operator, from these:
+    onnx_op:          that operator ("RNN", "LSTM", "GRU"), with the same math.
+    onnx_gates:       gate_names in the operator's gate order (ONNX LSTM is i,o,f,c;
+                      GRU is z,r,h): the export reorders W_x, W_h and the biases by it.
+    onnx_activations: the operator's `activations` for one direction, or None where its
+                      defaults are this cell's (they are then left out, as torch.nn's
+                      export does).
+    onnx_linear_before_reset: the operator's linear_before_reset=1 (GRU: W_hn h + b_hn
+                      is taken before r multiplies it, as in torch's and cuDNN's GRU).
     """
 
     gates: int
@@ -58,15 +69,25 @@ class CellSpec:
     carry: str | None
     cuda_cell: str
     torch_class: str
+    onnx_op: str
+    onnx_gates: tuple
     nonlinearity: str | None = None
     projection: bool = False
     state_clip: bool = False
+    onnx_activations: tuple | None = None
+    onnx_linear_before_reset: bool = False
 
     def __post_init__(self):
         # The table's own consistency: a slip here would surface far away.
         assert len(self.gate_names) == self.gates, self.gate_names
         assert self.carry in (None, "c", "h"), self.carry
         assert not self.state_clip or self.has_cell_state, "state_clip needs a cell state"
+        assert sorted(self.onnx_gates) == sorted(self.gate_names), self.onnx_gates
+
+    @property
+    def onnx_gate_order(self) -> tuple:
+        """For each of ONNX's gate blocks in its order, the index of that block in ours."""
+        return tuple(self.gate_names.index(g) for g in self.onnx_gates)
 
     @property
     def has_cell_state(self) -> bool:
@@ -99,13 +120,17 @@ class CellSpec:
 
 CELLS = {
     "rnn_relu": CellSpec(gates=1, gate_names=("a",), saved=1, carry=None, cuda_cell="ReluCell",
-                         torch_class="RNN", nonlinearity="relu"),
+                         torch_class="RNN", nonlinearity="relu", onnx_op="RNN",
+                         onnx_gates=("a",), onnx_activations=("Relu",)),
     "rnn_tanh": CellSpec(gates=1, gate_names=("a",), saved=1, carry=None, cuda_cell="TanhCell",
-                         torch_class="RNN", nonlinearity="tanh"),
+                         torch_class="RNN", nonlinearity="tanh", onnx_op="RNN",
+                         onnx_gates=("a",), onnx_activations=("Tanh",)),
     "lstm": CellSpec(gates=4, gate_names=("i", "f", "g", "o"), saved=4, carry="c",
-                     cuda_cell="LstmCell", torch_class="LSTM", projection=True, state_clip=True),
+                     cuda_cell="LstmCell", torch_class="LSTM", projection=True, state_clip=True,
+                     onnx_op="LSTM", onnx_gates=("i", "o", "f", "g")),
     "gru": CellSpec(gates=3, gate_names=("r", "z", "n"), saved=4, carry="h", cuda_cell="GruCell",
-                    torch_class="GRU"),
+                    torch_class="GRU", onnx_op="GRU", onnx_gates=("z", "r", "n"),
+                    onnx_linear_before_reset=True),
 }
 MODES = tuple(CELLS)
 
