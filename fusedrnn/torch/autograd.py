@@ -181,10 +181,21 @@ def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
             to_tensor(cy) if cy is not None else data.new_empty(0), key)
 
 
+def _refuse_onnx_export():
+    raise NotImplementedError(
+        "fusedrnn.torch.rnn (fusedrnn.RNN on tensors) has no ONNX export: the modules "
+        "fusedrnn.torch.RNN/LSTM/GRU export, as ONNX's RNN/LSTM/GRU operators")
+
+
 @rnn_op.register_fake
 def _rnn_shapes(data, parameters, state, state_cell, lengths, mode, state_size, num_layers,
                 bidirectional, p, projection_size, clip_min, clip_max, clip_nan, use_lengths,
                 train, seed, stored_as):
+    if torch.onnx.is_in_onnx_export():
+        # The operator reached torch.onnx.export's graph capture, where no ONNX runtime
+        # could run it: the functional call, or torch.export's strict retry of a module
+        # (dynamo reads is_in_onnx_export as False, so the module took its fused path).
+        _refuse_onnx_export()
     T, N = data.shape[0], data.shape[1]
     D, R = (2 if bidirectional else 1), projection_size or state_size
     cy_shape = (num_layers * D, N, state_size) if CELLS[mode].has_cell_state else (0,)
@@ -290,6 +301,8 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):
         raise TypeError(f"train: expected a bool or None, got {type(train).__name__} {train!r}")
+    if torch.onnx.is_in_onnx_export():   # (traced shapes would fail check_config below)
+        _refuse_onnx_export()
     data, parameters, state, state_cell = _autocast(data, parameters, state, state_cell)
     if not _arrays_hold(data.dtype, data.device):
         # bfloat16 the arrays cannot hold (on CUDA; on CPU without ml_dtypes): the same

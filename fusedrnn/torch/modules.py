@@ -11,6 +11,8 @@ records nothing for a backward passes that tensor as it is; a call that does, or
 whose parameters were replaced since, joins them into fusedrnn's flat vector (`weight`,
 one copy).
 Gradients are differentiable once: a second backward through them raises.
+Under torch.onnx.export (either exporter) the forward writes ONNX's own RNN / LSTM / GRU
+operators instead of calling fusedrnn's (onnx.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..config import CELLS, check_config
 from ..layout import BIAS_KINDS, ParamLayout
+from . import onnx as _onnx
 from .autograd import rnn
 
 
@@ -211,6 +214,9 @@ class _FusedRNNBase(nn.Module):
 
     def _forward(self, input, hx, batch_first):
         packed = isinstance(input, PackedSequence)
+        exporting = _onnx.exporting()
+        if packed and exporting:
+            _onnx.check_packed(self)
         lengths = None
         if packed:
             data, lengths = pad_packed_sequence(input, batch_first=False)
@@ -219,14 +225,17 @@ class _FusedRNNBase(nn.Module):
         data = data.contiguous()
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
         has_cell = CELLS[self.mode].has_cell_state
-        outs = rnn(data, self._call_weight(data, h0, c0), h0, c0 if has_cell else None,
-                   lengths if packed else None, state_outputs=True, train=self.training,
-                   mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
-                   bidirectional=self.bidirectional, p=self.dropout,
-                   projection_size=self.proj_size or None, use_sequence_length=packed)
+        if exporting:   # torch.onnx.export: ONNX's own operators (fusedrnn/torch/onnx.py)
+            outs = _onnx.forward(self, data, h0, c0 if has_cell else None, lengths)
+        else:
+            outs = rnn(data, self._call_weight(data, h0, c0), h0, c0 if has_cell else None,
+                       lengths if packed else None, state_outputs=True, train=self.training,
+                       mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
+                       bidirectional=self.bidirectional, p=self.dropout,
+                       projection_size=self.proj_size or None, use_sequence_length=packed)
         out, hy = outs[0], outs[1]
         if packed:
-            out = _repack(out, input)
+            out = _onnx.repack(out, input, lengths) if exporting else _repack(out, input)
         elif batch_first:
             out = out.transpose(0, 1)
         return (out, (hy, outs[2])) if has_cell else (out, hy)
