@@ -192,7 +192,27 @@ class _FusedRNNBase(nn.Module):
         return [[p for (l, d, _), p in views.items() if (l, d) == (layer, direction)]
                 for layer in range(cfg.num_layers) for direction in range(cfg.directions)]
 
+    def _check_hx(self, hx):
+        """hx as _forward takes it: None, h_0, or the tuple (h_0, c_0) of a cell with a
+        cell state; a TypeError for any other (an LSTM's pair given to a GRU would
+        otherwise run silently with its h_0)."""
+        if hx is None:
+            return None
+        name = type(self).__name__
+        if CELLS[self.mode].has_cell_state:
+            if isinstance(hx, (tuple, list)) and len(hx) == 2 and all(
+                    isinstance(s, torch.Tensor) for s in hx):
+                return tuple(hx)
+            raise TypeError(f"hx: {name} expected a tuple (h_0, c_0) of two tensors, got "
+                            f"{_describe(hx)}")
+        if isinstance(hx, torch.Tensor):
+            return hx
+        hint = (f" ({name} has no cell state: pass h_0 alone, not an LSTM's (h_0, c_0))"
+                if isinstance(hx, (tuple, list)) else "")
+        raise TypeError(f"hx: {name} expected a tensor h_0, got {_describe(hx)}{hint}")
+
     def forward(self, input, hx=None):
+        hx = self._check_hx(hx)
         packed = isinstance(input, PackedSequence)
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
         unbatched = not packed and input.dim() == 2
@@ -247,6 +267,15 @@ class _FusedRNNBase(nn.Module):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)}"
         return s
+
+
+def _describe(value):
+    """A value as an error message names it: 'a tuple of 2 tensors', 'a str'."""
+    if isinstance(value, (tuple, list)):
+        kinds = {"tensor" if isinstance(v, torch.Tensor) else type(v).__name__ for v in value}
+        return (f"a {type(value).__name__} of {len(value)} "
+                f"{kinds.pop() + 's' if len(kinds) == 1 else 'values'}")
+    return f"a {type(value).__name__}"
 
 
 def _repack(out, like):

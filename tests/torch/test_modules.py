@@ -267,6 +267,31 @@ def test_state_dimensions_must_match_the_input(name):
 
 
 @pytest.mark.parametrize("mode", list(CLASSES))
+def test_hx_of_the_wrong_kind_is_refused_naming_it(mode):
+    """An LSTM's (h_0, c_0) given to a GRU or RNN, or a bare h_0 to an LSTM, is a TypeError
+    naming hx and what the module takes (it used to run a GRU on h_0 alone); torch.nn
+    refuses both too, less clearly. The right kind still runs."""
+    mods = _both(mode, input_size=3, hidden_size=4, num_layers=2)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    h, c = torch.zeros(2, 2, 4, dtype=torch.float64), torch.zeros(2, 2, 4, dtype=torch.float64)
+    name = CELLS[mode].torch_class
+    if CELLS[mode].has_cell_state:
+        wrong, expected = [h, (h,), (h, c, c), (h, "c")], r"expected a tuple \(h_0, c_0\) of two tensors"
+    else:
+        wrong, expected = [(h, c), [h], "h"], "expected a tensor h_0"
+    for hx in wrong:
+        with pytest.raises(TypeError, match=rf"^hx: {name} {expected}, got a "):
+            mods["fusedrnn"](x, hx)
+        with pytest.raises((AttributeError, IndexError, RuntimeError)):   # torch.nn's
+            mods["torch.nn"](x, hx)
+    if not CELLS[mode].has_cell_state:
+        with pytest.raises(TypeError, match=r"got a tuple of 2 tensors \(.* no cell state"):
+            mods["fusedrnn"](x, (h, c))
+    right = (h, c) if CELLS[mode].has_cell_state else h
+    close(mods["fusedrnn"](x, right)[0], mods["torch.nn"](x, right)[0])
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
 def test_flatten_parameters_and_all_weights_as_torch_nn(mode):
     kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True)
     if CELLS[mode].projection:
