@@ -28,7 +28,7 @@ import torch
 
 from ..config import CELLS
 
-__all__ = ["exporting", "forward", "check_packed", "repack"]
+__all__ = ["check_packed", "exporting", "forward", "repack"]
 
 
 def exporting():
@@ -79,8 +79,8 @@ def _refuse_unsupported(module):
 
 def _attributes(cell, hidden_size, directions):
     """The node's attributes for this mode (the table's onnx_* fields)."""
-    attrs = dict(hidden_size=hidden_size,
-                 direction="bidirectional" if directions == 2 else "forward")
+    attrs = {"hidden_size": hidden_size,
+             "direction": "bidirectional" if directions == 2 else "forward"}
     if cell.onnx_activations is not None:   # one list entry per direction
         attrs["activations"] = list(cell.onnx_activations) * directions
     if cell.onnx_linear_before_reset:
