@@ -15,9 +15,11 @@ Neither runs the fused kernels (fake or traced tensors have no memory to hand th
 The weights are converted in the graph (gate blocks reordered to ONNX's order, the two
 biases joined as B = [Wb; Rb], both directions stacked); the exporters fold those
 operations on the parameters into constants. ONNX's layer output (T, D, N, H) is turned
-into torch's (T, N, D*H) between layers. What ONNX's operators cannot express is refused
-with NotImplementedError naming it: LSTM projection (proj_size), inter-layer dropout in
-training mode, PackedSequence input.
+into torch's (T, N, D*H) between layers. PackedSequence input becomes the operators'
+`sequence_lens` under the TorchScript exporter (check_packed: why not the other). What
+ONNX's operators cannot express is refused with NotImplementedError naming it: LSTM
+projection (proj_size), inter-layer dropout in training mode. docs/export.md is the
+user's account.
 
 This module imports torch only: onnx, onnxscript and onnxruntime (the `[onnx]` extra) are
 the exporter's business, so importing fusedrnn.torch never needs them.

@@ -16,9 +16,11 @@ exporter) is the quick cases below plus the `exhaustive` ones (the rest of it).
 """
 import io
 import itertools
+import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,3 +359,14 @@ def test_importing_fusedrnn_torch_imports_no_onnx_package():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    """docs/export.md's example: both exporters, ONNX Runtime at another batch and length."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    example = re.search(r"## Example\n\n```python\n(.*?)```", text, re.DOTALL).group(1)
+    monkeypatch.chdir(tmp_path)   # (it writes its .onnx files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(example, "docs/export.md example", "exec"), {})  # noqa: S102
+    assert {p.name for p in tmp_path.glob("*.onnx")} == {"tagger.onnx", "tagger_ts.onnx"}
