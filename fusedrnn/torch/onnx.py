@@ -1,4 +1,4 @@
-"""ONNX export of the drop-in modules (issue 45): under `torch.onnx.export` a module's
+"""ONNX export of the drop-in modules: under `torch.onnx.export` a module's
 forward writes ONNX's own RNN / LSTM / GRU operator, one node per layer, instead of
 calling fusedrnn::rnn (which no ONNX runtime knows).
 
