@@ -3,6 +3,7 @@ one small training step, checked against torch when installed."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -49,6 +50,11 @@ def demo(args) -> int:
     return 0 if max(err_out, err_grad) < 1e-9 else 1
 
 
+def _compile(args):
+    from .cpu import warm
+    return warm.main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedrnn")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +67,15 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--bidirectional", action="store_true")
     p.set_defaults(run=demo)
+    c = sub.add_parser("compile", help="compile the CPU kernels into Numba's disk cache "
+                                        "ahead of the first call (images, CI)")
+    c.add_argument("--modes", default="all", help="comma-separated, or all")
+    c.add_argument("--dtypes", default="float32", help="comma-separated, of float32, "
+                                                       "float64, float16, bfloat16")
+    c.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="kernel sets compiled at a time")
+    c.add_argument("--force", action="store_true", help="compile sets already marked ready")
+    c.set_defaults(run=_compile)
     from . import benchmark
     b = sub.add_parser("bench", help="fusedrnn vs torch.nn and naive loops, side by side")
     benchmark.add_arguments(b)

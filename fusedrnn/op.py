@@ -70,6 +70,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                       lstm_state_clip_max=lstm_state_clip_max,
                       lstm_state_clip_nan=lstm_state_clip_nan,
                       use_sequence_length=use_sequence_length, train=train, seed=seed)
+    backend = backend.for_call(call.config, call.seq_len, call.dtype)   # (the CPU's tiers)
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            call.dtype.name, _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)

@@ -111,10 +111,12 @@ class Worker:
 
     def __init__(self, peer, device, kind):
         self.peer, self.kind = peer, kind
+        # The loop's steady state is the fused kernels': the worker compiles them on its
+        # warm-up call, not behind a first tier (first use is the cold group's to time).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fusedrnn.benchmark.worker", peer, device, kind],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            env=_child_env())
+            env=dict(_child_env(), FUSEDRNN_FIRST_TIER="0"))
 
     def ask(self, **message):
         self.proc.stdin.write(json.dumps(message) + "\n")

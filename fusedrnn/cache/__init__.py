@@ -18,7 +18,8 @@ from __future__ import annotations
 import numbers
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 __all__ = ["CacheInfo", "cache_info", "clear_cache", "set_cache_limits", "thread_cache"]
 
@@ -34,6 +35,9 @@ class CacheInfo:
     nbytes: int
     max_entries: int
     max_bytes: int
+    # entries per backend, by name: "cpu", "cpu-first-tier" (the CPU's ops that run before
+    # their kernels are compiled: fusedrnn/cpu/warm.py), "cuda"
+    backends: dict = field(default_factory=dict)
 
 
 class OpCache:
@@ -79,7 +83,8 @@ class OpCache:
 
     def info(self):
         return CacheInfo(self.hits, self.misses, self.evictions, len(self._ops), self.nbytes(),
-                         _limits["max_entries"], _limits["max_bytes"])
+                         _limits["max_entries"], _limits["max_bytes"],
+                         dict(Counter(key[0] for key in self._ops)))
 
 
 _local = threading.local()

@@ -10,7 +10,9 @@ from ..config import TORCH_CALLER
 from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numba layer first)
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
+from . import warm
 from .cells import cell_kernels
+from .firsttier import FirstTierBackend
 from .fused import fused_layer, own_gemm
 from .lowlevel import (CHUNK, HAS_BF16, PANEL, interleave_rows, narrow, pack_k_pairs,
                        pack_recurrent_rows, panels, project, project_bf16, round_rows, narrow_f16,
@@ -78,6 +80,14 @@ class CpuBackend:
     name = "cpu"
     array_name = "numpy.ndarray"
     xp = np
+
+    def for_call(self, config, seq_len, dtype):
+        """The backend an op of this kind runs on now: this one where its fused kernels
+        are ready (compiled, or in the disk cache), else the first tier while they compile
+        in the background (warm.py; FUSEDRNN_FIRST_TIER=0: always this one)."""
+        if not warm.enabled() or warm.READY.ready(warm.KernelSet.of(config, seq_len, dtype)):
+            return self
+        return FIRST_TIER
 
     @staticmethod
     def cell_kernels(mode, dtype):
@@ -220,3 +230,4 @@ class CpuBackend:
 
 
 BACKEND = CpuBackend()
+FIRST_TIER = FirstTierBackend(BACKEND)

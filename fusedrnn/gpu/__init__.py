@@ -23,6 +23,11 @@ class GpuBackend:
         self.xp = cupy
         self._half_gemm = None
 
+    def for_call(self, config, seq_len, dtype):
+        """The backend an op of this kind runs on: this one (NVRTC's compiles are short and
+        CuPy caches them on disk; the CPU's first tier has no GPU counterpart)."""
+        return self
+
     def cell_kernels(self, mode, dtype):
         return cupy_cell_kernels(self.xp, mode, dtype)
 
