@@ -10,13 +10,27 @@ from ..config import TORCH_CALLER
 from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numba layer first)
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
-from . import warm
-from .cells import cell_kernels
-from .firsttier import FirstTierBackend
-from .fused import fused_layer, own_gemm
-from .lowlevel import (CHUNK, HAS_BF16, PANEL, interleave_rows, narrow, pack_k_pairs,
-                       pack_recurrent_rows, panels, project, project_bf16, round_rows, narrow_f16,
-                       widen, widen_f16)
+# isort: split
+from . import warm  # noqa: E402
+from .cells import cell_kernels  # noqa: E402
+from .firsttier import FirstTierBackend  # noqa: E402
+from .fused import fused_layer, own_gemm  # noqa: E402
+from .lowlevel import (  # noqa: E402
+    CHUNK,
+    HAS_BF16,
+    PANEL,
+    interleave_rows,
+    narrow,
+    narrow_f16,
+    pack_k_pairs,
+    pack_recurrent_rows,
+    panels,
+    project,
+    project_bf16,
+    round_rows,
+    widen,
+    widen_f16,
+)
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -85,9 +99,7 @@ class CpuBackend:
         """The backend an op of this kind runs on now: this one where its fused kernels
         are ready (compiled, or in the disk cache), else the first tier while they compile
         in the background (warm.py; FUSEDRNN_FIRST_TIER=0: always this one)."""
-        if not warm.enabled() or warm.READY.ready(warm.KernelSet.of(config, seq_len, dtype)):
-            return self
-        return FIRST_TIER
+        return self if warm.READY.fused(config, seq_len, dtype) else FIRST_TIER
 
     @staticmethod
     def cell_kernels(mode, dtype):

@@ -92,10 +92,22 @@ class Readiness:
     others. One per process (READY); thread-safe."""
 
     def __init__(self):
+        self._fused = set()          # (config, T == 1, dtype) known to run fused: per call,
+                                     # the one lookup (the rest is for the first calls)
         self._ready = set()          # kernel-set names known to be in the cache
         self._compiling = {}         # name -> Popen of its background compile
         self._lock = threading.Lock()
         self._stamp = self._dir = None
+
+    def fused(self, config, seq_len, dtype) -> bool:
+        """Whether an op of (config, seq_len, dtype) runs fused now (ready, below)."""
+        key = (config, seq_len == 1, dtype)
+        if key in self._fused:
+            return True
+        if enabled() and not self.ready(KernelSet.of(config, seq_len, dtype)):
+            return False
+        self._fused.add(key)
+        return True
 
     def ready(self, kernels: KernelSet) -> bool:
         """Whether an op of `kernels` may run fused now; where not, its background compile
