@@ -6,10 +6,10 @@
 See README.md for training (RNN(..., train=True) + rnn_backward), the parameter
 layout (fusedrnn.param_layout) and the op cache.
 """
+from . import op
 from .cache import CacheInfo, cache_info, clear_cache, set_cache_limits
 from .config import MODES, RNNConfig
 from .layout import ParamLayout, param_layout, param_size
-from . import op
 from .op import RNN, RNNGradients, TrainingHandle, rnn_backward
 
 __version__ = "0.1.0"

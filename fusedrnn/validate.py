@@ -6,8 +6,16 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from .config import (CLIP, CLIP_NAN, PRECISIONS, CallOptions, RNNConfig, _bool, check_config,
-                     modes_with)
+from .config import (
+    CLIP,
+    CLIP_NAN,
+    PRECISIONS,
+    CallOptions,
+    RNNConfig,
+    _bool,
+    check_config,
+    modes_with,
+)
 from .layout import expected_size
 
 __all__ = ["check_call", "check_scalars", "CheckedCall"]

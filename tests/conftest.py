@@ -13,8 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 import fusedrnn  # noqa: E402
-from fusedrnn.cpu import CpuBackend  # noqa: E402
 from fusedrnn.config import CELLS, MODES  # noqa: E402,F401  (the tests' modes: the table's)
+from fusedrnn.cpu import CpuBackend  # noqa: E402
+
 from reference import GATES  # noqa: E402
 
 # MXNet's golden vectors live in the repository (tests/golden), so a clone with nothing
@@ -106,6 +107,7 @@ def fresh_compile(dispatcher, signature, parallel=True):
     flags (threads.KERNEL_OPTIONS; `parallel` for the parallel build): the disk cache
     keeps no IR, asm or parfor diagnostics to inspect."""
     import numba as nb
+
     from fusedrnn.cpu.threads import KERNEL_OPTIONS
     fresh = nb.njit(parallel=parallel, **dict(KERNEL_OPTIONS, cache=False))(dispatcher.py_func)
     fresh.compile(signature)

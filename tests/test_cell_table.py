@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 import fusedrnn
-from conftest import CELLS, MODES
 from fusedrnn.cpu import units
 from fusedrnn.gpu import build, kernels, persistent
+
+from conftest import CELLS, MODES
 from reference import GATES, param_count
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, POISONED_NUMPY, make_case, rel_err
 from fusedrnn.cpu import CpuBackend
+
+from conftest import MODES, POISONED_NUMPY, make_case, rel_err
 from reference import rnn_reference
 
 
@@ -82,7 +83,7 @@ def test_fault_in_backward_can_be_retried(fault, mode, at):
         fusedrnn.rnn_backward(handle, **heads)
     assert not handle.released            # the reserve is intact: backward only reads it
     got = fusedrnn.rnn_backward(handle, **heads)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert (a is None and b is None) or np.array_equal(a, b)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
+
 from conftest import CELLS, GOLDEN_DIR, MXNET_ROUNDS_TO_FLOAT32, rel_err
 
 
@@ -39,7 +40,7 @@ def test_golden(case, dtype):
                                   arrays["dhy"].astype(dtype),
                                   arrays["dcy"].astype(dtype) if lstm else None)
     tol = _tolerance(case, dtype)
-    for name, got in zip(("out", "hy", "cy"), outputs):
+    for name, got in zip(("out", "hy", "cy"), outputs, strict=True):
         assert rel_err(got, arrays[name]) <= tol, name
     expected = {"data": "grad_data", "parameters": "grad_parameters", "state": "grad_state",
                 "state_cell": "grad_state_cell"}

@@ -1,11 +1,11 @@
 """The flat parameter layout: sizes, views, and torch state_dict conversion."""
 import numpy as np
 import pytest
+import torch  # noqa: E402  (installed by the `test` extra)
 
 import fusedrnn
-from conftest import CELLS, MODES, param_count
 
-import torch  # noqa: E402  (installed by the `test` extra)
+from conftest import CELLS, MODES, param_count
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])

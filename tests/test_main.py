@@ -2,8 +2,9 @@
 torch.nn by the CLI itself (it returns 1 when outputs or gradients differ past 1e-9)."""
 import pytest
 
-from conftest import CELLS, MODES
 from fusedrnn.__main__ import main
+
+from conftest import CELLS, MODES
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import CELLS, MODES, make_case
 from fusedrnn.recurrence import RecurrentOp
+
+from conftest import CELLS, MODES, make_case
 from reference import param_count
 
 DEFAULT_LIMITS = dict(max_entries=32, max_bytes=1 << 30)   # the documented defaults
@@ -288,7 +289,7 @@ def test_many_outstanding_handles_each_own_their_reserve(name):
     for i in order:
         grads = fusedrnn.rnn_backward(handles[i], **cases[i][2])
         serial_outs, serial_grads = serial[i]
-        for ours, theirs in zip(forward_outs[i], serial_outs):
+        for ours, theirs in zip(forward_outs[i], serial_outs, strict=True):
             assert np.array_equal(ours, theirs), i
         for field in ("data", "parameters", "state", "state_cell"):
             ours, theirs = getattr(grads, field), getattr(serial_grads, field)

@@ -33,13 +33,14 @@ KINK_MARGIN from 0, half of the units active and half not. Then the bound above 
 import ml_dtypes
 import numpy as np
 import pytest
+from test_features import dropout_masks, proj_case, ref_args
 
 import fusedrnn
+from fusedrnn.cpu import fused
+
 import reference
 from conftest import CELLS, MODES, make_case
 from reference import rnn_reference
-from fusedrnn.cpu import fused
-from test_features import dropout_masks, proj_case, ref_args
 
 HALF = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 GRADS = ("data", "parameters", "state", "state_cell")
@@ -132,7 +133,7 @@ def check(case, kw, dtype, heads=None, feats=None, masks=None, train_kw=None):
     ref = rnn_reference(**exact, **kw, **ref_args(feats), dropout_masks=masks)
     result = fusedrnn.RNN(**half, **kw, **feats, state_outputs=True, **(train_kw or {}))
     names = ("out", "hy", "cy")
-    for name, got, want in zip(names, result, ref):
+    for name, got, want in zip(names, result, ref, strict=True):
         if want is not None:
             assert_within(got, want, dtype, K, name)
     if heads is None:

@@ -8,13 +8,22 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case, rel_err
 from fusedrnn.config import RNNConfig
-from fusedrnn.cpu import BACKEND as CPU, CpuBackend
-from fusedrnn.cpu.fused import FusedLayer as CpuFusedLayer, fused_layer
+from fusedrnn.cpu import BACKEND as CPU
+from fusedrnn.cpu import CpuBackend
+from fusedrnn.cpu.fused import FusedLayer as CpuFusedLayer
+from fusedrnn.cpu.fused import fused_layer
 from fusedrnn.gpu.persistent import DeviceLimits, PersistentLayer, persistent_plan
-from fusedrnn.recurrence import (FusedDriver, FusedLayer, InputProjection, RecurrentOp,
-                                 SingleStep, StepDriver)
+from fusedrnn.recurrence import (
+    FusedDriver,
+    FusedLayer,
+    InputProjection,
+    RecurrentOp,
+    SingleStep,
+    StepDriver,
+)
+
+from conftest import MODES, make_case, rel_err
 from reference import rnn_reference
 
 
@@ -131,9 +140,11 @@ def test_the_cpu_backends_precision_plans(mode):
     multiplies pairs everywhere, in place, and from FUSED_INPUT_ROWS rows projects inside
     the loop (without it, as float16)."""
     from dataclasses import asdict
+
+    import ml_dtypes
+
     from fusedrnn.cpu.fused import FUSED_INPUT_ROWS
     from fusedrnn.cpu.lowlevel import HAS_BF16
-    import ml_dtypes
     rows = FUSED_INPUT_ROWS
     for dtype in (np.float64, np.float32):
         for T, N in ((1, 4), (20, 4), (20, rows)):
@@ -202,6 +213,7 @@ def test_the_gpu_backends_precision_plans(monkeypatch):
     capability 8.0, the input projection from MIN_PROJECTION_ROWS rows; the persistent
     layer reads nothing in place. FUSEDRNN_GPU_HALF_GEMMS=0 keeps them float32."""
     from dataclasses import asdict
+
     from fusedrnn.gpu.halfgemm import HALF_GEMMS_ENV, MIN_PROJECTION_ROWS
     monkeypatch.delenv(HALF_GEMMS_ENV, raising=False)
     gpu, old = _GpuPlanBackend(90), _GpuPlanBackend(75)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
+
 from conftest import make_case, param_count, rel_err
 from reference import rnn_reference
 

@@ -163,7 +163,7 @@ def _machine(args, repeats):
             "numba": numba.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_info(),
             "device": args.device, "dtype": args.dtype, "repeats": repeats,
             "quick": args.quick, "block_ms": args.block_ms, "warm_s": runner.WARM_S,
-            "grid_axes": dict(zip("TNH", case_lib.grid_axes(args.quick, args.device)))}
+            "grid_axes": dict(zip("TNH", case_lib.grid_axes(args.quick, args.device), strict=True))}
     try:
         import torch
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())

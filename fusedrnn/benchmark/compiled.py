@@ -23,6 +23,7 @@ def _one(model, compiled):
     import torch
 
     import fusedrnn.torch as ft
+
     from ..config import CELLS
     name, mode, B, T, I, H, L, bi = next(m for m in TRAIN_MODELS if m[0] == model)
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ def main():
     worst = {}
     for dtype in (np.float32, np.float64):
         for mode in fusedrnn.MODES:
-            pairs = zip(run("1", mode, dtype), run("0", mode, dtype))
+            pairs = zip(run("1", mode, dtype), run("0", mode, dtype), strict=True)
             err = max(np.max(np.abs(a - b)) / np.max(np.abs(b)) for a, b in pairs)
             worst[mode, np.dtype(dtype).name] = err
     bad = False

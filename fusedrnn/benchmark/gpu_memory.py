@@ -38,6 +38,7 @@ def _one(peer, mode, batch, train, steps):
     cupy = None
     if peer == "fusedrnn":
         import cupy
+
         import fusedrnn.torch as package
     else:
         package = torch.nn

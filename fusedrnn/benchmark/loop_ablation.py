@@ -162,7 +162,7 @@ def main():
     for name, t in times.items():
         # Paired: each round's time over the first variant's in the same round, so that the
         # machine's drift between rounds (seconds apart) cancels; the median of those.
-        paired = statistics.median(v / f for v, f in zip(t, first))
+        paired = statistics.median(v / f for v, f in zip(t, first, strict=True))
         print(f"  {name:16s} median {statistics.median(t):7.1f} ms   min {min(t):7.1f} ms"
               f"   x {names[0]} {paired:.3f}")
 

@@ -232,7 +232,7 @@ def plot_batch(path, results, title, peers):
     for peer in peers:
         points = [(c.N, c.N / t[peer]["median"]) for c, t in batch if peer in t]
         if points:
-            ax.plot(*zip(*points), marker="o", label=peer)
+            ax.plot(*zip(*points, strict=True), marker="o", label=peer)
     first = batch[0][0]
     ax.set(xscale="log", yscale="log", xlabel="batch size N", ylabel="samples / s",
            title=f"{title}\n{first.mode} T={first.T} I={first.I} H={first.H} inference")
@@ -266,7 +266,7 @@ def plot_grid(path, results, title):
         ax = axes[i][j]
         data = [[value.get((mode, train, T, n, h), math.nan) for h in Hs] for n in Ns]
         image = ax.imshow(data, cmap="RdYlGn", norm=norm, aspect="auto")
-        for (a, n), (b, h) in itertools.product(enumerate(Ns), enumerate(Hs)):
+        for (a, _n), (b, _h) in itertools.product(enumerate(Ns), enumerate(Hs)):
             v = data[a][b]
             if not math.isnan(v):
                 ax.text(b, a, f"{v:.2f}", ha="center", va="center", fontsize=7)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numbers
 import threading
-from collections import OrderedDict
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 __all__ = ["CacheInfo", "cache_info", "clear_cache", "set_cache_limits", "thread_cache"]

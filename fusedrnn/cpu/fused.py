@@ -66,12 +66,37 @@ import numpy as np
 from numba import prange
 
 from ..config import CELLS
-from .lowlevel import (CHUNK, HAS_BF16, PANEL, VECTOR_BITS, claim, finish, new_counters,
-                       pack_input_pairs, pack_input_weights, pack_k_pairs, pack_panel,
-                       pack_recurrent, pack_recurrent_pairs, pack_recurrent_rows, panel_gemm,
-                       panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_t, panels, project,
-                       project_bf16, project_widened, round_rows, row_add, row_add3, row_copy,
-                       row_round, row_zero, zero_like)
+from .lowlevel import (
+    CHUNK,
+    HAS_BF16,
+    PANEL,
+    VECTOR_BITS,
+    claim,
+    finish,
+    new_counters,
+    pack_input_pairs,
+    pack_input_weights,
+    pack_k_pairs,
+    pack_panel,
+    pack_recurrent,
+    pack_recurrent_pairs,
+    pack_recurrent_rows,
+    panel_gemm,
+    panel_gemm_bf16,
+    panel_gemm_bf16_bias,
+    panel_gemm_t,
+    panels,
+    project,
+    project_bf16,
+    project_widened,
+    round_rows,
+    row_add,
+    row_add3,
+    row_copy,
+    row_round,
+    row_zero,
+    zero_like,
+)
 from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, pick, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 

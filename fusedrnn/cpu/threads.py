@@ -187,7 +187,7 @@ class BlasOneThread:
                 self._libs = threadpoolctl.ThreadpoolController().select(
                     user_api="blas").lib_controllers
             self._saved = [lib.num_threads for lib in self._libs]
-            for lib, threads in zip(self._libs, self._saved):
+            for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(1)
         self._entered.append(cap)
@@ -197,7 +197,7 @@ class BlasOneThread:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self._entered.pop():
-            for lib, threads in zip(self._libs, self._saved):
+            for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(threads)
         return False

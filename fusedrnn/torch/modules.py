@@ -89,7 +89,7 @@ class _FusedRNNBase(nn.Module):
         views = self.views()
         first = next(iter(views.values()))
         pieces = []
-        for key, (offset, shape) in sorted(self.layout.blocks.items(), key=lambda b: b[1][0]):
+        for key, (_offset, shape) in sorted(self.layout.blocks.items(), key=lambda b: b[1][0]):
             p = views.get(key)
             pieces.append(p.reshape(-1) if p is not None else
                           first.new_zeros(math.prod(shape)))
@@ -189,7 +189,7 @@ class _FusedRNNBase(nn.Module):
     def all_weights(self):
         """torch.nn's list per layer and direction of its parameters, in its order."""
         views, cfg = self.views(), self.layout.config
-        return [[p for (l, d, _), p in views.items() if (l, d) == (layer, direction)]
+        return [[p for (lyr, d, _), p in views.items() if (lyr, d) == (layer, direction)]
                 for layer in range(cfg.num_layers) for direction in range(cfg.directions)]
 
     def _check_hx(self, hx):

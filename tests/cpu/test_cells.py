@@ -3,9 +3,10 @@ with the documented aliasing (dcarry_in is dcarry_out)."""
 import numpy as np
 import pytest
 
-from conftest import MODES, rel_err
 from fusedrnn.config import CELLS
 from fusedrnn.cpu.cells import cell_kernels
+
+from conftest import MODES, rel_err
 from reference import cell as reference_cell
 
 ALL_ACTIVE = np.empty(0, np.int64)
@@ -71,6 +72,6 @@ def test_backward_step_allows_carry_aliasing(mode):
         backward(dy, dh_rec, h_carry, c_carry if lstm else empty, saved, h_prev, c_prev, c_t,
                  dgx, dgh, h_out, c_out if lstm else empty, ALL_ACTIVE, 0, 0.0, 0.0, 0)
         results.append((dgx, dgh, h_out, c_out if lstm else empty))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert not np.isnan(a).any()
         assert np.array_equal(a, b)

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 
 import fusedrnn
-from conftest import MODES, make_case, rel_err
 from fusedrnn.config import CELLS, RNNConfig
 from fusedrnn.cpu import CpuBackend, fused
 from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
 from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
 from fusedrnn.cpu.threads import KERNEL_OPTIONS
 from fusedrnn.recurrence import NEXT, PREV
+
+from conftest import MODES, make_case, rel_err
 from reference import cell as reference_cell
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
@@ -69,7 +70,7 @@ def fused_and_generic(monkeypatch, case, kw, heads=None, **options):
 def assert_same(fused, generic, tol):
     """Equal within tol (rel_err), NaN in exactly the same places."""
     assert len(fused) == len(generic)
-    for i, (a, b) in enumerate(zip(fused, generic)):
+    for i, (a, b) in enumerate(zip(fused, generic, strict=True)):
         if b is None:
             assert a is None, i
             continue
@@ -330,7 +331,7 @@ def test_forward_single_writes_exactly_its_direction(build, mode, dtype, d, H, N
 
     f64 = [a.astype(np.float64) for a in (x, w_x, w_h, bx, bh, h0, c0)]
     want_h, want_c = zip(*(reference_cell(mode, f64[0][n], f64[5][n], f64[6][n], *f64[1:5])
-                           for n in range(N)))
+                           for n in range(N)), strict=True)
     mine, nxt = slice(d * H, (d + 1) * H), 1 - first
     assert rel_err(hs[d, nxt], np.array(want_h)) <= TOL[dtype]     # rel_err: NaN fails
     assert rel_err(y[0, :, mine], np.array(want_h)) <= TOL[dtype]
@@ -394,6 +395,7 @@ def _record_conversions(monkeypatch, record):
 
 def _bf16_op(mode, T, N=3, I=6, H=20):
     import ml_dtypes
+
     from fusedrnn.recurrence import RecurrentOp
     cfg = RNNConfig(mode=mode, input_size=I, state_size=H, num_layers=1, bidirectional=True,
                     projection_size=None)
@@ -425,6 +427,7 @@ def test_half_data_is_widened_in_the_projection_not_copied(monkeypatch, half, mo
     the result is the float32 op's on the widened values, rounded (within one place of
     the half dtype: the projection's tiles may sum in another order)."""
     import ml_dtypes
+
     from fusedrnn import cpu
     from fusedrnn.cache import thread_cache
     dtype = np.dtype(ml_dtypes.bfloat16) if half == "bfloat16" else np.dtype(np.float16)
@@ -450,6 +453,7 @@ def test_the_bf16_layer_reads_the_weights_in_place(monkeypatch, mode, L, D):
     nor the parameter vector: only the biases (and states), and its output is the same
     bits as the training forward's, which packs the weights from their float32 copies."""
     import ml_dtypes
+
     from fusedrnn import cpu
     from fusedrnn.cache import thread_cache
     from fusedrnn.cpu.lowlevel import HAS_BF16
@@ -483,6 +487,7 @@ def test_a_bf16_single_step_reads_the_weights_in_place(monkeypatch, build, mode,
     data, the states and the biases, never the parameter vector, and its outputs are the
     same bits as the training forward's, which multiplies the vector's float32 copy."""
     import ml_dtypes
+
     from fusedrnn.cache import thread_cache
     from fusedrnn.cpu.lowlevel import HAS_BF16
     thread_cache().clear()
@@ -494,7 +499,7 @@ def test_a_bf16_single_step_reads_the_weights_in_place(monkeypatch, build, mode,
     *training, handle = fusedrnn.RNN(**half, **kw, state_outputs=True, train=True)
     handle.release()
     assert len(inference) == len(training) == (3 if CELLS[mode].has_cell_state else 2)
-    for got, want in zip(inference, training):
+    for got, want in zip(inference, training, strict=True):
         assert not np.isnan(got.astype(np.float32)).any()
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -504,6 +509,7 @@ def test_a_bf16_training_step_reads_the_data_in_place(monkeypatch):
     forward and its backward never convert the data: the projection reads its pairs, the
     weight gradient packs its bits (pack_k_pairs takes bfloat16)."""
     import ml_dtypes
+
     from fusedrnn import cpu
     from fusedrnn.cache import thread_cache
     thread_cache().clear()
@@ -523,6 +529,7 @@ def test_the_bf16_layer_rounds_h_for_its_products():
     multiplies h_{t-1} rounded to bfloat16) and its own training forward, which reads the
     data's float32 copy, agrees with its inference forward bit for bit."""
     import ml_dtypes
+
     from fusedrnn.cpu.lowlevel import HAS_BF16
     if not HAS_BF16:
         pytest.skip("the CPU has no AVX512-BF16")
@@ -546,6 +553,7 @@ def test_the_bf16_loops_agree_on_both_builds(monkeypatch, mode, N):
     for a rare float32 last bit that rounds a bfloat16 result one step apart (one of
     10800 GRU weight gradients differed so)."""
     import ml_dtypes
+
     from fusedrnn.cpu.lowlevel import HAS_BF16
     if not HAS_BF16:
         pytest.skip("the CPU has no AVX512-BF16")
@@ -556,7 +564,7 @@ def test_the_bf16_loops_agree_on_both_builds(monkeypatch, mode, N):
     for bound in (1 << 62, -1):
         monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", bound)
         results.append(_run(case, kw, heads, {}))
-    for i, (serial, parallel) in enumerate(zip(*results)):
+    for i, (serial, parallel) in enumerate(zip(*results, strict=True)):
         if serial is None:
             assert parallel is None, i
             continue

@@ -15,6 +15,7 @@ import fusedrnn
 from fusedrnn.cpu import cells, fused
 from fusedrnn.cpu.lowlevel import gemm, packing
 from fusedrnn.layout import param_size
+
 from conftest import fresh_compile
 
 MODE, DTYPE = "lstm", np.float32

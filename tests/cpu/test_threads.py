@@ -9,9 +9,10 @@ import threadpoolctl
 from numba import prange
 
 import fusedrnn
-from conftest import MODES, make_case
 from fusedrnn.config import TORCH_CALLER, RNNConfig
 from fusedrnn.cpu import BACKEND, threads
+
+from conftest import MODES, make_case
 
 
 def test_threading_layer_is_guarded_when_not_threadsafe():
@@ -51,9 +52,9 @@ def test_concurrent_calls_match_serial(monkeypatch):
     assert len(results) == 1600
     for i, (outs, grads) in results.values():
         want_outs, want_grads = serial[i]
-        assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs))
+        assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs, strict=True))
         assert all((a is None and b is None) or np.array_equal(a, b)
-                   for a, b in zip(grads, want_grads))
+                   for a, b in zip(grads, want_grads, strict=True))
 
 
 def test_warns_when_numba_threads_started_first_on_a_spinning_layer():
@@ -204,7 +205,7 @@ def two_blas_threads():
     for lib in libs:
         lib.set_num_threads(2)
     yield _blas_threads()
-    for lib, threads_before in zip(libs, before):
+    for lib, threads_before in zip(libs, before, strict=True):
         lib.set_num_threads(threads_before)
 
 
@@ -218,7 +219,7 @@ def test_blas_runs_on_one_thread_inside_and_as_before_after(two_blas_threads, to
     assert _blas_threads() == two_blas_threads
     with pytest.raises(ZeroDivisionError):     # an error inside restores too
         with threads.BLAS_ONE_THREAD:
-            1 / 0
+            1 / 0  # noqa: B018  (raises)
     assert _blas_threads() == two_blas_threads
 
 
@@ -271,6 +272,7 @@ def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_thread
         assert set(_blas_threads()) == {1}
     assert _blas_threads() == two_blas_threads
     import ml_dtypes
+
     from fusedrnn.recurrence import RecurrentOp
     op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(ml_dtypes.bfloat16))
     assert (op.blas is threads.BLAS_ONE_THREAD_ALWAYS) == BACKEND.pair_products("bfloat16")
@@ -352,8 +354,8 @@ def test_a_serial_only_process_launches_no_parallel_build(monkeypatch):
         got = run()
     finally:
         cache.clear_cache()   # (no op built on the refusing layers outlives the test)
-    for case_want, case_got in zip(want, got):
-        for a, b in zip(case_want, case_got):
+    for case_want, case_got in zip(want, got, strict=True):
+        for a, b in zip(case_want, case_got, strict=True):
             assert np.abs(a - b).max() <= 2e-6 * np.abs(a).max(), np.abs(a - b).max()
 
 def test_a_forked_child_runs_the_op_as_its_parent_did():

@@ -20,6 +20,7 @@ import pytest
 
 from fusedrnn.config import CELLS
 from fusedrnn.cpu import fused
+
 from conftest import fresh_compile, launch_fused
 
 CELL_VECTOR_OP = re.compile(r"= (?:fcmp \w+|fmul|fsub|fdiv)(?: \w+)* <(\d+) x (float|double)>")

@@ -12,11 +12,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import POISONED_NUMPY
 from fusedrnn.config import CELLS, CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import GpuBackend, build, halfgemm, kernels, persistent
 from fusedrnn.recurrence import RecurrentOp
+
+from conftest import POISONED_NUMPY
 
 
 def build_harness(tmp_dir):

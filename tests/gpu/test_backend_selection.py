@@ -15,6 +15,7 @@ def test_an_ops_call_on_another_stream_waits_for_its_last_one():
     """GpuBackend.follow on a stand-in for CuPy's streams: the same stream orders calls by
     itself; a call on another stream first waits on an event recorded on the last one."""
     import types
+
     from fusedrnn.gpu import GpuBackend
     log, current = [], {}
 

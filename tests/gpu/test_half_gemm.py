@@ -10,16 +10,24 @@ import types
 
 import numpy as np
 import pytest
+from test_host_emulation import _projected_case
+from test_precision import HALF, assert_within, longest_product, rounded
 
-from conftest import MODES, make_case
 from fusedrnn.config import CELLS, CallOptions
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import GpuBackend, halfgemm
 from fusedrnn.gpu.persistent import DeviceLimits
-from host_backend import (HALF_DTYPES, HostCudaBackend, build_harness, host_gemm_ex,
-                          host_narrow, run_stored_as, run_training)
-from test_host_emulation import _projected_case
-from test_precision import HALF, assert_within, longest_product, rounded
+
+from conftest import MODES, make_case
+from host_backend import (
+    HALF_DTYPES,
+    HostCudaBackend,
+    build_harness,
+    host_gemm_ex,
+    host_narrow,
+    run_stored_as,
+    run_training,
+)
 
 TWO_SMS = DeviceLimits(2, 1 << 20, 90)
 
@@ -270,7 +278,7 @@ def _check(harness, mode, dtype, persistent=None, opts=CallOptions(), L=1, D=1, 
     if projection_size:
         kw = dict(kw, projection_size=projection_size)
     assert len(got) == len(want) == len(names)
-    for name, a, b in zip(names, got, want):
+    for name, a, b in zip(names, got, want, strict=True):
         assert_within(a, b, dtype, longest_product(kw, I), name)
     return backend.half_products
 
@@ -319,7 +327,7 @@ def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness, every_pro
     got, want = run_stored_as(backend, case, kw, heads)
     assert {half for _, _, half in backend.half_products} == {"bfloat16"}
     assert len(backend.half_products) == _expected_products(2, 1)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
 
 

@@ -8,11 +8,11 @@ and CuPy itself (tests/gpu/test_parity.py, on a GPU)."""
 import numpy as np
 import pytest
 
-from conftest import MODES, make_case, rel_err
-from fusedrnn.config import RNNConfig
+from fusedrnn.config import CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import kernels
-from fusedrnn.config import CallOptions
+
+from conftest import MODES, make_case, rel_err
 from host_backend import HostCudaBackend, build_harness
 from host_backend import run_training as _run
 
@@ -32,7 +32,7 @@ def test_cuda_cells_on_host_equal_cpu_backend(harness, mode, L, D, dtype):
     want = _run(CPU, case, kw, heads, dtype)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) <= tol
 
 
@@ -61,7 +61,7 @@ def test_cuda_cells_with_lengths_equal_cpu_backend(harness, mode, D, dtype):
     got = _run(HostCudaBackend(harness), case, kw, heads, dtype, LENGTHS)
     want = _run(CPU, case, kw, heads, dtype, LENGTHS)
     tol = 1e-12 if dtype == np.float64 else 1e-5
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) <= tol
 
 
@@ -77,7 +77,7 @@ def test_cuda_lstm_features_equal_cpu_backend(harness, D, options, projection):
         case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=5, L=2, D=D, seed=4)
     got = _run(HostCudaBackend(harness), case, kw, heads, np.float64, options, projection)
     want = _run(CPU, case, kw, heads, np.float64, options, projection)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) <= 1e-12
 
 
@@ -93,6 +93,7 @@ def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode
     CPU's products hold h in bfloat16 where it has AVX512-BF16, so the two agree to
     test_precision's bound (each is within it of float64)."""
     import ml_dtypes
+
     from fusedrnn.gpu.persistent import DeviceLimits
     half = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
     case, kw, heads = make_case(mode, T=5, N=3, I=4, H=5, L=2, D=2, seed=6)
@@ -101,7 +102,7 @@ def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode
     backend = HostCudaBackend(harness, DeviceLimits(4, 1 << 20) if persistent else None)
     got = _run(backend, case, kw, heads, half)
     want = _run(CPU, case, kw, heads, half)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert a.dtype == half
         a, b = a.astype(np.float64), b.astype(np.float64)
         if dtype == "float16":

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import fusedrnn
+
 from conftest import CELLS, GOLDEN_DIR, MODES, MXNET_ROUNDS_TO_FLOAT32, make_case, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -74,9 +75,9 @@ def _assert_gpu_equals_cpu(case, kw, heads, dtype):
     gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
     assert all(isinstance(o, cupy.ndarray) for o in gpu_outs)
     tol = 1e-12 if dtype == np.float64 else 1e-5
-    for a, b in zip(gpu_outs, cpu_outs):
+    for a, b in zip(gpu_outs, cpu_outs, strict=True):
         assert rel_err(cupy.asnumpy(a), b) <= tol
-    for a, b in zip(gpu_grads, cpu_grads):
+    for a, b in zip(gpu_grads, cpu_grads, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert rel_err(cupy.asnumpy(a), b) <= tol
@@ -98,7 +99,7 @@ def test_golden_on_gpu(case, persistent, monkeypatch):
     grads = fusedrnn.rnn_backward(handle, cupy.asarray(arrays["dout"]), cupy.asarray(arrays["dhy"]),
                                   cupy.asarray(arrays["dcy"]) if lstm else None)
     tol = 1e-6 if kwargs["mode"] in MXNET_ROUNDS_TO_FLOAT32 else 1e-10  # tests/test_golden.py
-    for name, got in zip(("out", "hy", "cy"), outs):
+    for name, got in zip(("out", "hy", "cy"), outs, strict=True):
         assert rel_err(cupy.asnumpy(got), arrays[name]) <= tol
     for field in ("data", "parameters", "state", "state_cell"):
         if f"grad_{field}" in arrays.files:
@@ -207,9 +208,15 @@ def test_float16_dropout_on_gpu_within_the_half_bound(mode):
     outputs within test_precision's bound of the float64 reference given the masks the
     op drew (CuPy's generator: the CPU cannot draw the same ones, so the gradients under
     dropout are the float32 test's and the CPU's test_precision's)."""
+    from test_precision import (
+        assert_within,
+        clear_of_the_kink,
+        kink_clearance,
+        longest_product,
+        rounded,
+    )
+
     from reference import rnn_reference
-    from test_precision import (assert_within, clear_of_the_kink, kink_clearance,
-                                longest_product, rounded)
     case, kw, _ = make_case(mode, T=6, N=4, I=5, H=24, L=2, D=2, seed=8)
     half, exact = rounded(clear_of_the_kink(case, kw), np.float16)
     outs = fusedrnn.RNN(**_on_gpu(half), **kw, p=0.4, train=True, seed=5, state_outputs=True)
@@ -219,7 +226,7 @@ def test_float16_dropout_on_gpu_within_the_half_bound(mode):
     # over 60 of the CPU's draws at this size; the products move it by ~4e-4)
     assert kink_clearance(exact, kw, dropout_masks=masks) >= 2.0 ** -4
     want = rnn_reference(**exact, **kw, dropout_masks=masks)
-    for name, a, b in zip(("out", "hy", "cy"), outs[:-1], want):
+    for name, a, b in zip(("out", "hy", "cy"), outs[:-1], want, strict=True):
         if b is not None:
             assert_within(cupy.asnumpy(a), b, np.float16, longest_product(kw, 5), name)
 
@@ -243,7 +250,7 @@ def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
     heads = {k: None if v is None else v.astype(np.float16) for k, v in heads.items()}
     cpu_outs, cpu_grads = _run(case, kw, heads)
     gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
-    for a, b in zip([*gpu_outs, *gpu_grads], [*cpu_outs, *cpu_grads]):
+    for a, b in zip([*gpu_outs, *gpu_grads], [*cpu_outs, *cpu_grads], strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == np.float16
@@ -260,8 +267,7 @@ def test_float16_on_tensor_cores_within_the_half_bound(mode, L, D, monkeypatch):
     """CuPy float16 through the persistent kernels' tensor-core products (tensorcore.cuh):
     every output and gradient within test_precision's bound of the float64 op on the same
     rounded inputs; the layers did take the tensor-core plan."""
-    from fusedrnn.gpu import persistent
-    from fusedrnn.gpu import halfgemm
+    from fusedrnn.gpu import halfgemm, persistent
     monkeypatch.setenv(persistent.ENV, "1")
     monkeypatch.setenv(persistent.TENSOR_CORES_ENV, "1")
     monkeypatch.setenv(halfgemm.HALF_GEMMS_ENV, "0")   # the products alone (both: below)
@@ -300,7 +306,7 @@ def _assert_float16_case_within_the_half_bound(case, kw, heads):
     K = longest_product(kw, case["data"].shape[2])
     names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
                                                    "dstate_cell")
-    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
+    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads], strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert_within(cupy.asnumpy(a), b, np.float16, K, name)
@@ -373,7 +379,7 @@ def test_persistent_at_the_selection_boundary(persistent_selected, mode):
     """Sizes either side of the rule's edge: the largest persistent one and the first that
     falls back to the per-step path both equal the CPU (float32, N=20)."""
     gates = CELLS[mode].gates
-    for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False)):
+    for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False), strict=True):
         persistent_selected.clear()
         case, kw, heads = make_case(mode, T=5, N=20, I=8, H=H, L=1, D=2, dtype=np.float32,
                                     seed=H)

@@ -7,11 +7,12 @@ tests/gpu/test_parity.py on a GPU with FUSEDRNN_GPU_PERSISTENT=1."""
 import numpy as np
 import pytest
 
-from conftest import MODES, make_case, rel_err
+from fusedrnn.config import CELLS, CallOptions
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
-from fusedrnn.config import CELLS, CallOptions
+
+from conftest import MODES, make_case, rel_err
 from host_backend import HostCudaBackend, build_harness, run_training
 
 H100 = DeviceLimits(sm_count=132, smem_per_block=227 * 1024)
@@ -37,7 +38,7 @@ def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, 
     assert len(backend.launches) == 3 * kw["num_layers"] * (2 if kw["bidirectional"] else 1)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) <= tol
 
 

@@ -11,14 +11,15 @@ import ctypes
 import ml_dtypes
 import numpy as np
 import pytest
+from test_precision import HALF, assert_within, clear_of_the_kink, longest_product, rounded
 
-from conftest import MODES, make_case
 from fusedrnn.config import CELLS, CallOptions
 from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
+
+from conftest import MODES, make_case
 from host_backend import HostCudaBackend, build_harness, run_stored_as, run_training
-from test_precision import HALF, assert_within, clear_of_the_kink, longest_product, rounded
 
 # Small "devices" of compute capability 9.0: H=9 or 40 units split unevenly over blocks.
 TWO_SMS, FOUR_SMS = DeviceLimits(2, 1 << 20, 90), DeviceLimits(4, 1 << 20, 90)
@@ -56,7 +57,7 @@ def _check(harness, mode, dtype, limits=TWO_SMS, opts=CallOptions(), chunk=None,
     assert len(got) == len(want)
     cell_state = CELLS[mode].has_cell_state
     names = [n for n in NAMES if cell_state or not n.startswith(("cy", "dstate_cell"))]
-    for name, a, b in zip(names, got, want):
+    for name, a, b in zip(names, got, want, strict=True):
         assert_within(a, b, dtype, longest_product(kw, I), name)
     return backend.plans
 
@@ -106,7 +107,7 @@ def test_float32_data_stored_as_bfloat16_takes_the_bfloat16_products(harness, mo
     backend = HostCudaBackend(harness, persistent=TWO_SMS)
     got, want = run_stored_as(backend, case, kw, heads)
     assert {plan.precision for plan in backend.plans} == {"bfloat16"}
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
 
 

@@ -38,17 +38,26 @@ process may override before it compiles a tile (tile_settings() reads it).
 # microkernel first: decorating the cached kernels of gemm and packing stamps them with
 # tile_settings() (jitcache.py), which must be here by then.
 from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, tile_settings
+
+# isort: split
+from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_bf16_cols
+from .bf16gemm import (
+    bf16_bits,
+    interleave_rows,
+    narrow,
+    pack_input_pairs,
+    pack_k_pairs,
+    pack_recurrent_pairs,
+    project_bf16,
+    round_rows,
+    widen,
+)
+from .float16 import f16_bits, f16_value, narrow_f16, project_widened, widen_f16
 from .gemm import CHUNK, project
 from .mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
-from .packing import (pack_input_weights, pack_panel, pack_recurrent, pack_recurrent_rows,
-                      panels)
+from .packing import pack_input_weights, pack_panel, pack_recurrent, pack_recurrent_rows, panels
 from .rows import row_add, row_add3, row_copy, row_round, row_zero
 from .workshare import claim, finish, new_counters
-from .bf16 import (HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_bias,
-                   panel_gemm_bf16_cols)
-from .bf16gemm import (bf16_bits, narrow, pack_input_pairs, pack_k_pairs, pack_recurrent_pairs,
-                       project_bf16, interleave_rows, round_rows, widen)
-from .float16 import f16_bits, f16_value, narrow_f16, project_widened, widen_f16
 
 __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
            "f16_value", "fast_exp", "finish", "interleave_rows", "narrow", "narrow_f16",

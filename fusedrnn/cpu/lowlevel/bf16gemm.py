@@ -52,8 +52,9 @@ from numba import prange, types
 from numba.extending import overload
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
+from . import gemm as _gemm  # (their serial bounds, read per call)
+from . import packing as _packing
 from .bf16 import panel_gemm_bf16, panel_gemm_bf16_cols, panel_gemm_bf16_cols_acc
-from . import gemm as _gemm, packing as _packing   # (their serial bounds, read per call)
 from .gemm import CHUNK, QUAD
 from .microkernel import PANEL
 
@@ -340,7 +341,7 @@ def _project_bf16(a, wpack, c, spill, by_columns):
                 _quad(a_k, lda, rows, wpack[p].ctypes.data + along, kp * PANEL,
                       c_rows + p * PANEL * 4, C, kb, by_columns, later)
                 p += QUAD
-            for p in range(p, stop):
+            for p in range(p, stop):  # noqa: B020  (p goes on from the loop above)
                 to, ldc = c_rows + p * PANEL * 4, C
                 if p >= full:
                     to, ldc = np.int64(spill[chunk].ctypes.data), PANEL

@@ -33,7 +33,8 @@ import numpy as np
 from numba import prange
 
 from ..threads import LAUNCH_LOCK, parallel_and_serial, pick
-from . import gemm as _gemm, packing as _packing   # (their serial bounds, read per call)
+from . import gemm as _gemm  # (their serial bounds, read per call)
+from . import packing as _packing
 from .gemm import CHUNK, QUAD
 from .mathfn import zero_like
 from .microkernel import PANEL, panel_gemm
@@ -155,7 +156,7 @@ def _project_widened(a, bf16, wpack, c, spill, block):
                 panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, K * PANEL, QUAD,
                            c_rows + p * PANEL * 4, C, K, zero_like(rows_f32))
                 p += QUAD
-            for p in range(p, panels):
+            for p in range(p, panels):  # noqa: B020  (p goes on from the loop above)
                 if p < full:
                     panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, 0, 1,
                                c_rows + p * PANEL * 4, C, K, zero_like(rows_f32))

@@ -65,7 +65,7 @@ def _project(a, wpack, c, spill):
             panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, K * PANEL, QUAD,
                        c_rows + p * PANEL * itemsize, C, K, zero_like(a))
             p += QUAD
-        for p in range(p, stop):
+        for p in range(p, stop):  # noqa: B020  (p goes on from the loop above)
             if p < full:
                 panel_gemm(a_rows, K, rows, wpack[p].ctypes.data, 0, 1,
                            c_rows + p * PANEL * itemsize, C, K, zero_like(a))

@@ -60,7 +60,7 @@ def _emit(context, builder, signature, values):
     intp = context.get_value_type(types.intp)
     vec = ir.VectorType(scalar, LANES)
     address = [context.cast(builder, v, t, types.intp)
-               for v, t in zip(values[:-2], signature.args[:-2])]
+               for v, t in zip(values[:-2], signature.args[:-2], strict=True)]
     width = context.cast(builder, values[-2], signature.args[-2], types.intp)
 
     def total(loads):
@@ -132,7 +132,7 @@ def _bf16_bits(builder, bits, like):
 def _emit_round(context, builder, signature, values):
     intp = context.get_value_type(types.intp)
     dst, src = (context.cast(builder, v, t, types.intp)
-                for v, t in zip(values[:2], signature.args[:2]))
+                for v, t in zip(values[:2], signature.args[:2], strict=True))
     width = context.cast(builder, values[2], signature.args[2], types.intp)
     i16, i32 = ir.IntType(16), ir.IntType(32)
     full = builder.icmp_unsigned(">=", width, ir.Constant(intp, LANES))

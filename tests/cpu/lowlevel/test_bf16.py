@@ -10,7 +10,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu import lowlevel as bf16   # HAS_BF16, pack_pairs, panel_gemm_bf16
+from fusedrnn.cpu import lowlevel as bf16  # HAS_BF16, pack_pairs, panel_gemm_bf16
 from fusedrnn.cpu.lowlevel import PANEL
 
 needs_bf16 = pytest.mark.skipif(not bf16.HAS_BF16, reason="the CPU has no AVX512-BF16")

@@ -17,12 +17,10 @@ import numpy as np
 import pytest
 
 import fusedrnn
-
-from fusedrnn.cpu.lowlevel import gemm
-from fusedrnn.cpu.lowlevel import pack_input_weights, pack_recurrent, pack_recurrent_rows
+from fusedrnn.cpu.lowlevel import gemm, pack_input_weights, pack_recurrent, pack_recurrent_rows
 from fusedrnn.cpu.lowlevel import microkernel as mk
-from fusedrnn.cpu.lowlevel.microkernel import (MAX_ROWS, PANEL, ROWS, panel_gemm_for,
-                                               panel_gemm_t)
+from fusedrnn.cpu.lowlevel.microkernel import MAX_ROWS, PANEL, ROWS, panel_gemm_for, panel_gemm_t
+
 from conftest import fresh_compile, launch_fused
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are

@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 
 from fusedrnn.config import CELLS
-from fusedrnn.cpu.lowlevel import (PANEL, pack_input_weights, pack_panel, pack_recurrent,
-                                   pack_recurrent_rows, packing, panels)
+from fusedrnn.cpu.lowlevel import (
+    PANEL,
+    pack_input_weights,
+    pack_panel,
+    pack_recurrent,
+    pack_recurrent_rows,
+    packing,
+    panels,
+)
 
 DTYPES = [np.float32, np.float64]
 
