@@ -7,6 +7,7 @@ block either runs or is plain text):
                  directory, a timeout. FUSEDRNN_FIRST_TIER defaults to 0 there, as in the rest
                  of the suite (conftest.py): an uncached kernel set compiles in the block's
                  own process instead of starting a background compile that outlives it.
+                 The blocks run two at a time (block_results), each test reads its own.
 - ```python gpu  the same where CuPy sees a CUDA device; skipped otherwise, the reason naming
                  the file and the block.
 - ```text output the exact stdout of the python block right before it.
@@ -25,11 +26,15 @@ and a read whose key cannot be resolved fails the test instead of going unseen. 
 FUSEDRNN_* variable read must be a row of docs/gpu.md's table, with a default, and every row
 a variable read; other variables the package reads must be mentioned somewhere in the docs
 (except FORWARDED).
+
+Also: relative links and their #anchors resolve, CHANGELOG.md has a section for
+fusedrnn.__version__ (pyproject's), and docs/usage.md's signature is fusedrnn.RNN's.
 """
 from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import os
 import re
 import shlex
@@ -96,7 +101,7 @@ def _blocks(path):
         assert i < len(lines), f"{path}:{start + 1}: unclosed code block"
         blocks.append(Block(path, start + 1, opening.group(1).strip(), "\n".join(body) + "\n"))
         i += 1
-    for before, after in zip(blocks, blocks[1:]):
+    for before, after in itertools.pairwise(blocks):
         if after.kind == "text output" and before.kind == "python":
             before.output = after.text
     return blocks
@@ -166,7 +171,7 @@ def _run(block):
         script = Path(folder) / "block.py"
         script.write_text(block.text)
         try:
-            return subprocess.run([sys.executable, str(script)], cwd=folder,
+            return subprocess.run([sys.executable, str(script)], cwd=folder, check=False,
                                   env=_environment(), capture_output=True, text=True,
                                   timeout=BLOCK_TIMEOUT_S)
         except subprocess.TimeoutExpired as expired:
@@ -213,7 +218,8 @@ def test_shell_command_runs_or_is_listed(block, command, tmp_path):
         f"{block.name}: `{command}` neither runs here (a `python ...` command) nor is one of "
         f"NOT_RUN (add it there with the reason it cannot run in a test)")
     result = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=_environment(),
-                            capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+                            check=False, capture_output=True, text=True,
+                            timeout=BLOCK_TIMEOUT_S)
     assert result.returncode == 0, f"`{command}`:\n{result.stdout}\n{result.stderr}"
 
 
@@ -251,9 +257,8 @@ def _env_keys(tree):
     """(key node, line) of every environment read or write in `tree`."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
-            if node.func.attr in ("get", "setdefault", "pop") and _is_environ(node.func.value):
-                yield node.args[0], node.lineno
-            elif node.func.attr == "getenv":
+            if node.func.attr == "getenv" or (node.func.attr in ("get", "setdefault", "pop")
+                                              and _is_environ(node.func.value)):
                 yield node.args[0], node.lineno
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                 node.func.id == "getenv" and node.args:
@@ -274,7 +279,8 @@ def package_environment():
     for module, (path, tree) in modules.items():
         is_package = path.name == "__init__.py"
         constants[module] = {t.id: node.value.value for node in tree.body
-                             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                             if isinstance(node, ast.Assign)
+                             and isinstance(node.value, ast.Constant)
                              and isinstance(node.value.value, str)
                              for t in node.targets if isinstance(t, ast.Name)}
         imports[module] = {}
@@ -340,8 +346,8 @@ def test_every_variable_the_package_reads_is_in_the_table():
     read, declared, _ = package_environment()
     ours = {name for name in read | declared if name.startswith("FUSEDRNN_")}
     table = documented_variables()
-    assert ours - set(table) == set(), f"read by fusedrnn, missing from docs/gpu.md: {ours - set(table)}"
-    assert set(table) - ours == set(), f"in docs/gpu.md, read nowhere: {set(table) - ours}"
+    assert not ours - set(table), f"read by fusedrnn, not in docs/gpu.md: {ours - set(table)}"
+    assert not set(table) - ours, f"in docs/gpu.md, read nowhere: {set(table) - ours}"
     for name, (default, effect) in table.items():
         assert default and effect, f"docs/gpu.md: {name} needs its default and its effect"
 
