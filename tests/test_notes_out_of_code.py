@@ -7,10 +7,12 @@ Three checks over the package's text:
   tokens, and its STRING tokens that open with three quotes and stand alone as a statement,
   as docstrings do, counting every line such a token spans) are at most 25% of all
   non-blank lines. A triple-quoted value (bf16.py's _HELPER, LLVM IR) is code;
-- no comment or docstring in fusedrnn/ (its .py files' comments and triple-quoted strings,
-  and the comments of fusedrnn/gpu/*.cuh) quotes a timing or a rate (a number followed by
-  ns, us, µs, ms, s, GFLOP/s, TFLOP/s, GB/s), a before/after figure ("1.5x", "A -> B") or
-  a date;
+- no comment or docstring in fusedrnn/ (its .py files' comments and triple-quoted string
+  statements, and the comments of fusedrnn/gpu/*.cuh) quotes a timing or a rate (a number
+  followed by ns, us, µs, ms, s, GFLOP/s, TFLOP/s, GB/s), a before/after figure ("1.5x",
+  "8.3 -> 6.6", "437-460 -> 367-390", "108 -> 79 ms"; an arrow between two plain integers
+  with no unit, such as an exponent's rebias "15 -> 127", is not one), a date or a commit
+  hash;
 - every pointer into bench/results/ that names a section ("bench/results/x.md#anchor")
   resolves: the file exists and has a heading with that GitHub-style anchor.
 """
@@ -87,13 +89,19 @@ TIMING = [
     # a time or a rate after a number: "3 us", "1.5ms", "481 GFLOP/s", "12 GB/s", "2 s"
     re.compile(NUMBER + r"\s?(?:ns|us|µs|ms|s|sec|seconds?)\b(?!['\w-])"),
     re.compile(NUMBER + r"\s?(?:[GTM]FLOPS?|[KMGT]i?B)/s\b"),
-    # before/after: "1.5x", "0.9x faster", "8.3 -> 6.6", "437-460 -> 367-390"
+    # a ratio: "1.5x", "0.9x faster", "2 times slower", "3% faster"
     re.compile(NUMBER + r"x\b"),
     re.compile(NUMBER + r"\s?times (?:faster|slower)"),
-    re.compile(r"(?<![\w.])\d[\d.]*\s*(?:->|→)\s*~?\d[\d.]*"),
-    # a date
+    re.compile(NUMBER + r"\s?% (?:faster|slower|better|worse|gain|loss)"),
+    # a date, a commit hash (7-12 lowercase hex digits, at least one a-f and one 0-9)
     re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b"),
+    re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b"),
 ]
+# before/after: an arrow between figures, where either is a decimal or a range, or a unit
+# follows ("8.3 -> 6.6", "437-460 -> 367-390", "108 -> 79 ms"; not "15 -> 127")
+FIGURE = r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?"
+ARROW = re.compile(rf"(?<![\w.])({FIGURE})\s*(?:->|→)\s*~?({FIGURE})"
+                   r"(\s?(?:[mµun]?s\b|x\b|%|[GT]FLOP/s|GB/s))?")
 
 
 def _texts():
@@ -109,6 +117,9 @@ def _hits(text):
     for pattern in TIMING:
         for m in pattern.finditer(text):
             yield text.count("\n", 0, m.start()), m.group()
+    for m in ARROW.finditer(text):
+        if m.group(3) or any(c in m.group(1) + m.group(2) for c in ".-"):
+            yield text.count("\n", 0, m.start()), m.group()
 
 
 def test_no_comment_quotes_a_timing():
@@ -121,7 +132,8 @@ def test_no_comment_quotes_a_timing():
 
 @pytest.mark.parametrize("text", [
     "LSTM 8.3 -> 6.6 ms", "110-120 us", "481 GFLOP/s", "1.062x over", "0.9x",
-    "(2026-11-26)", "3ms", "2 s a call", "12 GB/s", "3 µs",
+    "(2026-11-26)", "3ms", "2 s a call", "12 GB/s", "3 µs", "437-460 -> 367-390",
+    "GRU 108 -> 79 ms", "1.19 -> 0.91 ulp", "at 02d5294", "4-12x slower", "3% faster",
 ])
 def test_the_timing_patterns_catch(text):
     assert list(_hits(text)), text
@@ -130,6 +142,8 @@ def test_the_timing_patterns_catch(text):
 @pytest.mark.parametrize("text", [
     "T=300 N=20 I=H=800", "2^25 multiply-adds", "1 MB", "8 x 2 tile", "N x H", "0x1f",
     "16-byte loads", "2 ** 19", "float32 -> bfloat16", "4 steps", "ms.append(t)",
+    "rebias the exponent (15 -> 127)", "0xC8000FFF", "2^-24", "6 x 1 zmm", "the 1 MB L2",
+    "(T, N, D*G*H)", "a 1 x 2 tile",
 ])
 def test_the_timing_patterns_pass(text):
     assert not list(_hits(text)), text
