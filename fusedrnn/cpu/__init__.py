@@ -34,25 +34,16 @@ from .lowlevel import (  # noqa: E402
 
 __all__ = ["CpuBackend", "BACKEND"]
 
-# A training GEMM a @ b (the input gradient dG @ W_x) of at least this many multiply-adds
-# runs on the micro-kernel: at T=300 N=20 I=H=800 (LSTM) 481 GFLOP/s against numpy's 242.
-# Smaller ones lose more than they gain to packing b and to OpenBLAS's threads, still
-# spinning from the weight-gradient GEMMs beside them (LSTM T=20 N=32 H=256 training, a
-# 1.7e8 product: 0.90x). The weight gradients (a^T @ b, K = T*N long) stay on numpy's,
-# or in a torch program on torch's (CpuBackend.matmul).
+# A training GEMM a @ b (dG @ W_x) of at least this many multiply-adds runs on the
+# micro-kernel; smaller ones lose to packing b and to OpenBLAS's still-spinning threads.
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GEMM_WORK = 1 << 28
 # astype's own conversions, (from, to) -> the kernel, which takes the half side as bits
 _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): narrow,
                      ("float16", "float32"): widen_f16, ("float32", "float16"): narrow_f16}
 # In a torch program a float32 weight gradient a^T @ b with b at least this wide and this
-# many multiply-adds runs as torch's transposing copy of a, then the micro-kernel. Alone
-# (M x K x C, GFLOP/s against torch's): 2048 x 3200 x 512 343 / 222, 3200 x 6000 x 800
-# 357 / 236, 768 x 6400 x 256 236 / 216, 768 x 6400 x 128 183 / 195, 2048 x 3200 x 80
-# 129 / 179. In the train steps: the acoustic model (C = 512) 437-460 -> 367-390 ms (and
-# 454 -> 439 in a noisier round); with a bound of 256 the GRU encoder's 768 x 6400 x 256
-# gradient went this way too and gained nothing measurable (67.1-76.8 against 67.6-69.9
-# ms; identical code varied as much), so the bound is 512.
+# many multiply-adds runs as torch's transposing copy of a, then the micro-kernel
+# (narrower ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
@@ -68,14 +59,12 @@ _last_pairs = threading.local()   # _pair_product's last a, per thread
 
 
 def _pair_product(a, b, out, transpose_a, pairs, a_paired=False):
-    """out = a @ b, or a^T @ b, from bfloat16 pairs (a and b rounded to bfloat16, float32
-    sums: lowlevel/bf16gemm.py's layouts); pairs: CpuBackend.pair_scratch's uint32s, their
-    first part already holding a's pairs where a_paired."""
+    """out = a @ b, or a^T @ b, on bfloat16 pairs with float32 sums (bf16gemm.py); pairs:
+    pair_scratch's uint32s, the first part already a's pairs where a_paired."""
     M, K = a.shape[::-1] if transpose_a else a.shape
     C, kp = b.shape[1], -(-K // 2)
     n_a, n_b = M * kp, panels(C) * kp * PANEL
-    # a_paired holds only where this thread's last pair product took this same a into
-    # these same pairs (else they are made again)
+    # a_paired holds only where this thread's last pair product made these same pairs
     mine = (a.ctypes.data, a.shape, a.strides, transpose_a, pairs.ctypes.data)
     if a_paired and getattr(_last_pairs, "a", None) == mine:
         a_pairs = pairs[:n_a].reshape((kp, M) if transpose_a else (M, kp))
@@ -96,9 +85,8 @@ class CpuBackend:
     xp = np
 
     def for_call(self, config, seq_len, dtype):
-        """The backend an op of this kind runs on now: this one where its fused kernels
-        are ready (compiled, or in the disk cache), else the first tier while they compile
-        in the background (warm.py; FUSEDRNN_FIRST_TIER=0: always this one)."""
+        """The backend an op of this kind runs on now: this one where its fused kernels are
+        ready, else the first tier while they compile (warm.py)."""
         return self if warm.READY.fused(config, seq_len, dtype) else FIRST_TIER
 
     @staticmethod
@@ -107,11 +95,9 @@ class CpuBackend:
 
     @staticmethod
     def fused_layer(config, dtype, batch, storage=None):
-        """The whole-layer fused loop (fused.py) where it applies: every cell without
-        a projection, any batch. None sends the driver down the generic per-step path.
-        storage: the data's dtype name where it differs from dtype (config.PRECISIONS);
-        bfloat16 takes the layer's vdpbf16ps products where the CPU has AVX512-BF16; other
-        half-precision data, the float32 layer that reads it in place (widens)."""
+        """The fused loop (fused.py) for every cell without a projection; None: the generic
+        per-step path. storage: the data's dtype name where it differs (config.PRECISIONS):
+        bfloat16 takes vdpbf16ps products where the CPU has them, else the widening layer."""
         if config.projection_size:
             return None
         bf16 = storage == "bfloat16" and HAS_BF16
@@ -120,25 +106,21 @@ class CpuBackend:
 
     @staticmethod
     def pair_projection(rows):
-        """Never: the fused layers project their own input (on bfloat16 pairs where the
-        products run in bfloat16); the step path's projection (op.project_input) stays
-        float32."""
+        """Never: the fused layers project their own input; the step path's projection
+        (op.project_input) stays float32."""
         return False
 
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
-        """The context an op's numpy BLAS calls run in: one thread for a torch program's
-        call (threads.BlasOneThread says why and when), whatever the op's size; with
-        own_gemms (its large GEMMs on bfloat16 pairs, pair_products) in every program."""
+        """The context an op's numpy BLAS calls run in: one thread in a torch program's call
+        (threads.BlasOneThread), and with own_gemms (pair_products) in every program."""
         return threads.BLAS_ONE_THREAD_ALWAYS if own_gemms else threads.BLAS_ONE_THREAD
 
     @staticmethod
     def pair_products(storage):
         """Whether the op's training GEMMs run on bfloat16 pairs (matmul's `pairs`) for data
         stored as `storage`: bfloat16, where the CPU has AVX512-BF16 (vdpbf16ps, float32
-        sums), as the forward's products do. The design-size LSTM's three GEMMs of a
-        direction (30.7 GFLOP each): 292 ms in float32 through torch's GEMM and the
-        float32 micro-kernel, against 33-42 ms each on the bfloat16 tile.
+        sums), as the forward's products do.
         Measured: bench/results/cpu-kernel-notes.md#bf16-the-training-gemms"""
         return storage == "bfloat16" and HAS_BF16
 
@@ -150,25 +132,14 @@ class CpuBackend:
 
     @staticmethod
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half="bfloat16"):
-        """out = a @ b, or a^T @ b (the op's large GEMMs: the input projection where the
-        fused layer does not run it, the input and weight gradients).
-        a @ b of at least OWN_GEMM_WORK multiply-adds runs on the micro-kernel and
-        Numba's threads (lowlevel.gemm, b packed into panels first) wherever the input
-        projection does (FusedLayer.projects_input's rule). The rest runs on numpy's
-        BLAS, or in a torch program (config.TORCH_CALLER) on torch's GEMM and thread
-        pool: there OpenBLAS's threads, spinning after each GEMM, took a core from the
-        program's own ops (a torch Linear beside a training step 2.3x slower) and on
-        one thread the GEMMs are slow (the acoustic model's step: numpy's BLAS on one
-        thread 534 ms, torch's 438 ms). In a torch program a large float32 a^T @ b
-        (OWN_GRADIENT_*) takes torch's transposing copy of a, then the micro-kernel.
-        With `pairs` (a flat uint32 scratch of pair_scratch(M, K, C); only where
-        pair_products said so; `half` names the pairs' type, bfloat16 here) a float32
-        product runs on bfloat16 pairs instead;
-        a_paired: `pairs` still holds this a's pairs from the call before (the two weight
-        gradients of a cell whose gate gradients are not split share dG: its interleave,
-        3.5 ms of the design-size LSTM's step, is made once).
-        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms and
-        #threads-blas-on-one-thread"""
+        """out = a @ b, or a^T @ b: the op's large GEMMs. a @ b of OWN_GEMM_WORK runs on the
+        micro-kernel where own_gemm; the rest on numpy's BLAS, or in a torch program on
+        torch's GEMM and pool (OpenBLAS's spinning threads took a core from its ops; one
+        thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the micro-kernel after
+        torch's transposing copy. With `pairs` (pair_scratch's uint32s, where pair_products;
+        `half`: bfloat16) on bfloat16 pairs; a_paired: `pairs` still holds a's pairs.
+        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
+        bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":
             raise ValueError(f"matmul: the CPU's pairs are bfloat16, got half={half!r}")
         M, K = a.shape[::-1] if transpose_a else a.shape
@@ -194,10 +165,9 @@ class CpuBackend:
 
     @staticmethod
     def astype(array, dtype, out=None):
-        """array converted to dtype, into `out` (of array's shape) or a new array: the op's
-        half-precision edges. bfloat16 and float16 <-> float32 run on Numba's threads
-        (lowlevel.widen/narrow, widen_f16/narrow_f16: ml_dtypes' and numpy's own casts
-        are single-threaded loops, 4-12x slower); the rest is numpy's."""
+        """array converted to dtype, into `out` (of array's shape) or a new array. bfloat16
+        and float16 <-> float32 run on Numba's threads (numpy's and ml_dtypes' casts are
+        single-threaded); the rest is numpy's."""
         dtype = np.dtype(dtype)
         pair = (array.dtype.name, dtype.name)
         if out is None:

@@ -1,10 +1,8 @@
 """Per-step pointwise cell math for the CPU backend, one forward/backward pair per cell.
 
-Every cell has the same two entry points, so the recurrence driver (recurrence.py) never
-branches on the mode. Shapes below: N batch, H state_size, G gates, S = CellSpec.saved.
-Arrays are of the data's dtype (lengths: int64) and 2-D unless noted; any row stride is
-accepted (views of larger buffers are passed straight in). An argument marked
-"optional" may be a (0, 0) placeholder: read as zeros, or not written.
+The same two entry points for every cell: recurrence.py never branches on the mode. N
+batch, H state_size, G gates, S = CellSpec.saved; arrays of the data's dtype (lengths
+int64), 2-D, any row stride; "optional": may be (0, 0), read as zeros or not written.
 
 forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
              lengths, t, clip_lo, clip_hi, clip_flags)
@@ -16,27 +14,24 @@ forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
     h_next  (N, H)   out  new state;  c_next (N, H) out: new cell state (LSTM)
     y       (N, H)   out  this step's slice of the layer output; may alias h_next
     saved   (N, S*H) out  training record for backward; optional (inference)
-    lengths (N,)     in   per-sample sequence lengths, int64; (0,) = all T steps. At
-                          t >= lengths[n] the sample is inactive: its state is carried
-                          (h_next = h_prev, or 0 without h_prev; c_next = c_prev), y = 0
+    lengths (N,)     in   per-sample lengths; (0,) = all T. At t >= lengths[n] the state
+                          is carried (h_next = h_prev or 0; c_next = c_prev), y = 0
     t       int           this step's time index
-    clip_lo, clip_hi, clip_flags   LSTM cell-state clipping: bit 0 of clip_flags clips c
-                          to [clip_lo, clip_hi] after the update, bit 1 turns a NaN into
-                          clip_lo (without it NaN propagates)
+    clip_lo, clip_hi, clip_flags   LSTM cell-state clipping: bit 0 clips c to [clip_lo,
+                          clip_hi] after the update, bit 1 turns a NaN into clip_lo
     Outputs other than y must not alias inputs.
 
 backward_step(dy, dh_rec, dh_carry_in, dc_carry_in, saved, h_prev, c_prev, c_t, dgx, dgh,
               dh_carry_out, dc_carry_out, lengths, t, clip_lo, clip_hi, clip_flags)
     dy           (N, H)   in   gradient from this step's output (or from the projection)
     dh_rec       (N, H)   in   gradient from the next step through W_h; optional
-    dh_carry_in  (N, H)   in   gradient reaching h directly (GRU's z*dh, the pass-through
-                               of inactive steps); optional
+    dh_carry_in  (N, H)   in   gradient reaching h directly (GRU's z*dh, inactive steps)
     dc_carry_in  (N, H)   in   gradient reaching c from the next step (LSTM)
     saved        (N, S*H) in   the forward's training record of this step
     h_prev, c_prev, c_t (N, H) in  states before and (c_t) after this step
     dgx          (N, G*H) out  gradient w.r.t. the pre-activations fed by W_x x + b_x
-    dgh          (N, G*H) out  the same for W_h h + b_h: GRU only, optional for cells
-                               where it equals dgx (CellSpec.split_gate_grads is False)
+    dgh          (N, G*H) out  the same for W_h h + b_h; optional where it equals dgx
+                               (CellSpec.split_gate_grads is False)
     dh_carry_out (N, H)   out  optional; may alias dh_carry_in
     dc_carry_out (N, H)   out  (LSTM); may alias dc_carry_in
     lengths, t, clip_*    as in forward_step; the gradient through a clipped c is 0
@@ -105,9 +100,8 @@ def _dh(dy, dh_rec, dh_carry_in, n, j):
 
 
 def _make_forward_step(mode, gates, saved_width):
-    """The per-step forward kernel of the cell MODE_INDEX `mode` (units.py). `mode`,
-    `gates` and `saved_width` are frozen into the compiled code (Numba reads
-    closure cells as constants, and its cache keys on them)."""
+    """The per-step forward kernel of the cell MODE_INDEX `mode` (units.py); the closure's
+    ints are constants to Numba, and its cache keys on them."""
     last = gates - 1
 
     def forward_step(gx, gh, bx, bh, h_prev, c_prev, h_next, c_next, y, saved,
@@ -196,17 +190,15 @@ def _signature(dtype, ndims):
     return nb.void(*arrays, *tail)
 
 
-# Each kernel is compiled once per dtype, on first use (not at import), for arrays of
-# any layout ("A"): one specialisation serves contiguous buffers and strided views
-# alike, so a cold process compiles at most 2 kernels per (mode, dtype).
+# Compiled on first use for arrays of any layout ("A"): one specialisation serves buffers
+# and strided views alike, at most 2 kernels per (mode, dtype).
 _FORWARD_NDIMS = (2, 2, 1, 1, 2, 2, 2, 2, 2, 2)
 _BACKWARD_NDIMS = (2,) * 12
 
 
 def _guarded(kernel, python_function):
-    """kernel's launcher, under LAUNCH_LOCK; in a process that may launch serial builds
-    only (threads.serial_only), a serial build of the same function for the same
-    signatures, compiled there on first use."""
+    """kernel's launcher, under LAUNCH_LOCK; in a serial-only process (threads.serial_only)
+    a serial build of the same function, compiled there on first use."""
     serial = []
 
     def launch(*args):
@@ -225,8 +217,7 @@ def _guarded(kernel, python_function):
 
 
 def cell_kernels(mode: str, dtype):
-    """(forward_step, backward_step) for `mode`, compiled for `dtype` (cached on disk),
-    each launch guarded as threads.py requires."""
+    """(forward_step, backward_step) for `mode` and `dtype`, launches guarded (threads.py)."""
     key = (mode, np.dtype(dtype).str)
     kernels = _compiled.get(key)
     if kernels is None:

@@ -1,16 +1,9 @@
 """The CPU's first tier: an op that needs no compilation, for the calls that come before
 the fused kernels are ready (warm.py decides when).
 
-It is the per-step path (recurrence.StepDriver) with its GEMMs on numpy's BLAS (or, in a
-torch program, torch's) and its pointwise cell math in numpy over whole (N, H) blocks.
-That math is units.py's own: each unit's Python source, run with numpy's array versions
-of the few helpers it calls (sigmoid, tanh, select, one_like, zero_like), so a mode's
-formulas still live in one place. The kernels keep cells.py's contract (its docstring):
-shapes, optional (0, 0) placeholders, lengths and aliasing.
-
-Results match the fused tier within the precision bounds of tests/test_precision.py: the
-activations are numpy's (the fused kernels use lowlevel/mathfn.py's polynomials) and the
-GEMMs sum in another order.
+The per-step path (recurrence.StepDriver) on numpy's BLAS, its cell math units.py's own
+source run with numpy helpers over whole (N, H) blocks (cells.py's contract): a mode's
+formulas live in one place. Results match the fused tier within test_precision's bounds.
 """
 from __future__ import annotations
 
@@ -37,7 +30,7 @@ def _array_helpers():
     names = dict(vars(units))
     names.update(sigmoid=sigmoid, tanh=np.tanh, select=np.where, one_like=like(1),
                  zero_like=like(0))
-    for name in ("clip", "unclipped"):   # units' own helpers, called by the units
+    for name in ("clip", "unclipped"):
         names[name] = _on_arrays(getattr(units, name), names)
     return names
 
@@ -65,8 +58,7 @@ def _active(lengths, t):
 
 
 def _gate(a, g, H, last):
-    """Gate g's (N, H) block of a (N, G*H) array; gates past the cell's repeat its last
-    (the unit ignores them), as cells.py's kernels pass them."""
+    """Gate g's (N, H) block of a (N, G*H) array; past the cell's gates, its last."""
     g = min(g, last)
     return a[:, g * H:(g + 1) * H]
 
@@ -135,9 +127,8 @@ def cell_kernels(mode, dtype):
 
 
 class FirstTierBackend:
-    """The CPU backend with nothing compiled: numpy's (or torch's) GEMMs and cell_kernels
-    above, no fused layer, no half-precision products. Everything else is the CPU
-    backend's (`cpu`, which this module cannot import: it imports this one)."""
+    """The CPU backend with nothing compiled: numpy's GEMMs and cell_kernels above, no fused
+    layer or half-precision products; the rest is `cpu`'s (which imports this module)."""
 
     name = "cpu-first-tier"
 
@@ -165,9 +156,9 @@ class FirstTierBackend:
 
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
-        """One BLAS thread in every program: the other core is the background compile's.
-        (Two threads, one descheduled in turn, waited for each other at every GEMM: the
-        first training step of an LSTM that runs in 30 ms took seconds.)"""
+        """One BLAS thread in every program: the other core is the background compile's
+        (two threads, one descheduled in turn, waited for each other at every GEMM).
+        Measured: bench/results/cpu-kernel-notes.md#first-use-where-the-compile-goes"""
         return BLAS_ONE_THREAD_ALWAYS
 
     @staticmethod

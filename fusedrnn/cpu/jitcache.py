@@ -1,20 +1,13 @@
 """Numba's disk cache for our kernels, made to notice edits to every file they compile in.
 
-Numba keys a cached kernel on the source of the one file that defines it (its content
-hash in numba 0.68, its timestamp in older releases) and on the kernel's own bytecode.
-Our kernels inline code from other files: fused.py and lowlevel/gemm.py compile in
-lowlevel/microkernel.py's register tiles, units.py's cell math, lowlevel/mathfn.py's
-functions, and the clip flags of ../config.py (the one file outside cpu/ that cpu/
-imports). Edit one of those and Numba would load the old machine code from the cache:
-silently wrong results until someone clears __pycache__.
+Numba keys a cached kernel on the source of the one file that defines it and on its
+bytecode, but our kernels inline code from other files (the micro-kernel's tiles,
+units.py's cell math, mathfn.py, ../config.py's clip flags): after an edit there Numba
+would load stale machine code, silently wrong until someone clears __pycache__.
 
-So for kernels defined in this package we put our own cache locators first in Numba's
-list. They store the cache where Numba's own would (NUMBA_CACHE_DIR, else __pycache__,
-else the user-wide directory) and add to Numba's freshness stamp a digest of the
-content of every file in DEPENDENCIES (every .py under cpu/, subpackages included):
-an edit to any of them retires every cached kernel of the package. The stamp also holds
-the micro-kernel's vector width and tile heights, which are settings, not source. A user
-who names the locators (NUMBA_CACHE_LOCATOR_CLASSES) keeps that choice.
+So our cache locators come first in Numba's list for this package's kernels: the cache
+where Numba's own would put it, its stamp extended by a digest of every file in
+DEPENDENCIES and the micro-kernel's settings. A user's NUMBA_CACHE_LOCATOR_CLASSES stays.
 """
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)   # fusedrnn/
-# The files whose code or constants a cached kernel of this package may compile in:
-# every .py under cpu/, recursively (a kernel in cpu/ inlines code from lowlevel/).
+# What a cached kernel may compile in: every .py under cpu/, recursively, and config.py
 DEPENDENCIES = tuple(sorted(os.path.join(folder, name)
                             for folder, _, names in os.walk(_HERE) for name in names
                             if name.endswith(".py"))) + (os.path.join(_ROOT, "config.py"),)
@@ -57,17 +49,14 @@ def _digest(stats):
 
 
 def _tile_settings():
-    """The micro-kernel's run-time settings that compiled code depends on (its vector
-    width and tile heights): a process that overrides them must not load, or leave
-    behind, machine code of the others. Imported here, not at the top: install() must
-    run before lowlevel's kernels are decorated."""
+    """The micro-kernel's settings compiled code depends on. Imported here, not at the
+    top: install() must run before lowlevel's kernels are decorated."""
     from . import lowlevel
     return lowlevel.tile_settings()
 
 
 def _ours(base):
-    """`base`, one of Numba's source-file locators, limited to this package's files and
-    with the dependency digest in its stamp."""
+    """`base` (a Numba locator) for this package's files, the dependency digest stamped."""
 
     class Locator(base):
         @classmethod

@@ -1,33 +1,25 @@
 """Each cell's pointwise math for one hidden unit of one sample, forward and backward:
-the only place a mode's formulas live on the CPU. The per-step kernels (cells.py) and
-the fused layer loops (fused.py) both drive these.
+the only place a mode's formulas live on the CPU (cells.py and fused.py drive them).
 
 forward(x0, x1, x2, x3, r0, r1, r2, r3, h_prev, c_prev, clip_lo, clip_hi, clip_flags)
         -> (h, c, s0, s1, s2, s3)
     x_g  the input side of gate g's pre-activation, W_x x + b_x (gates past G: unused)
     r_g  the recurrent side, W_h h + b_h (kept apart: GRU's n gate scales it by r)
     h_prev, c_prev  the unit's previous state (h_prev: GRU only, CellSpec.reads_h_prev;
-                    c_prev: LSTM only; the fused loops leave each undefined for the
-                    cells that never read it)
-    returns the new state h, the new cell state c (LSTM; else 0) and the training record
-    s_0..s_{S-1} (CellSpec.saved values; the rest 0)
+                    c_prev: LSTM only; undefined in the fused loops where unread)
+    returns h, c (LSTM; else 0) and the training record s_0..s_{S-1} (the rest 0)
 
 backward(dh, dc, s0, s1, s2, s3, h_prev, c_prev, c_t, clip_lo, clip_hi, clip_flags)
         -> (dx0, dx1, dx2, dx3, dr0, dr1, dr2, dr3, dh_carry, dc_carry)
     dh   all gradient reaching this step's h (output + recurrence + direct carry)
-    dc   gradient reaching this step's c from the next step (LSTM only, like c_prev
-         and c_t: the other cells never read them)
-    s_k  the forward's record; h_prev, c_prev, c_t the states around the step (as in
-         forward: each undefined where the cell never reads it)
-    returns the gradients w.r.t. each gate's input-side (dx_g) and recurrent-side (dr_g)
-    pre-activation (equal except GRU's n gate), the gradient that reaches h_prev directly
-    (GRU's z*dh; else 0) and the one that reaches c_prev (LSTM's f*dc; else 0)
+    dc   gradient reaching this step's c from the next step (LSTM only, like c_prev, c_t)
+    s_k  the forward's record; h_prev, c_prev, c_t the states around the step (as forward)
+    returns each gate's input- (dx_g) and recurrent-side (dr_g) gradient (equal but in
+    GRU's n gate), and those reaching h_prev (GRU's z*dh) and c_prev (LSTM's f*dc), or 0
 
-All arithmetic stays in the arguments' precision (the activations come from lowlevel/mathfn.py) and
-every per-element conditional is a select, so a loop over units can vectorise: the fused
-loops' do (tests/cpu/test_vectorised_cells.py; fused.py's note above _columns says what
-else that took). The fused loops pass the clip bounds in the data's dtype; the per-step
-kernels (cells.py) pass Python floats, so there a clipped float32 cell runs in float64.
+Arithmetic stays in the arguments' precision (mathfn.py's activations) and conditionals
+are selects, so the fused loops vectorise (tests/cpu/test_vectorised_cells.py); cells.py
+passes clip bounds as Python floats, so there a clipped float32 cell runs in float64.
 """
 from __future__ import annotations
 
@@ -144,9 +136,8 @@ FORWARD_UNITS = {
 }
 
 
-# The kernels hold a mode's index (a plain int) rather than its unit functions: Numba's
-# disk cache keys on a closure's pickled cells, and a pickled Numba function differs in
-# every process. The branch on a constant index compiles to the one unit.
+# The kernels hold a mode's index, not its unit functions: Numba's disk cache keys on a
+# closure's pickled cells, and a pickled Numba function differs in every process.
 MODE_INDEX = {mode: i for i, mode in enumerate(FORWARD_UNITS)}
 
 

@@ -1,23 +1,17 @@
 """When the CPU's fused kernels are ready, and getting them ready without a stall.
 
-Numba compiles the fused kernels on their first call (several seconds each) and keeps the
-machine code in its disk cache (jitcache.py), from which a later process loads it in a
-fraction of a second. So that a new user's first call does not wait for the compiler, an
-op whose kernels are not yet in the cache runs on the first tier (firsttier.py: numpy,
-nothing to compile), and a background process compiles its kernels into the cache by
-replaying calls of the same kind; the calls after it has finished run the fused kernels.
-`python -m fusedrnn compile` does the same ahead of time (for images and CI).
+Numba compiles the fused kernels on first call (seconds each) into its disk cache
+(jitcache.py). So that a first call does not wait, an op whose kernels are not cached runs
+on the first tier (firsttier.py: numpy) while a background process compiles them by
+replaying calls of its kind; `python -m fusedrnn compile` does it ahead of time.
 
-The unit is a kernel set: what one op can launch, given by its mode, its data's dtype
-and its form (the fused loop for T > 1, its T=1 form, or the per-step path of a
-projected LSTM). Nothing else in a call changes which kernels it compiles (sizes pick
-between a kernel's two builds; the replay compiles both). A set is ready when its marker
-file exists beside the kernel cache, stamped with everything the cache's own freshness
-depends on (jitcache's digest of the sources and tile settings, Numba's and llvmlite's
-versions, the CPU), so an edit, an upgrade or another machine starts afresh.
+The unit is a kernel set: what one op can launch, given by its mode, its data's dtype and
+its form (the fused loop, its T=1 form, or a projected LSTM's per-step path; sizes only
+pick between two builds, and the replay compiles both). A set is ready when its marker
+file exists beside the cache, stamped with what the cache's freshness depends on
+(jitcache's digest, Numba's and llvmlite's versions, the CPU).
 
-FUSEDRNN_FIRST_TIER=0 turns the first tier off: every op compiles in the calling process
-on first use, as a program that wants the fused kernels from its first call prefers.
+FUSEDRNN_FIRST_TIER=0 turns the first tier off: ops compile on first use, in process.
 """
 from __future__ import annotations
 
@@ -92,8 +86,7 @@ class Readiness:
     others. One per process (READY); thread-safe."""
 
     def __init__(self):
-        self._fused = set()          # (config, T == 1, dtype) known to run fused: per call,
-                                     # the one lookup (the rest is for the first calls)
+        self._fused = set()          # (config, T == 1, dtype) known fused: a call's one lookup
         self._ready = set()          # kernel-set names known to be in the cache
         self._compiling = {}         # name -> Popen of its background compile
         self._lock = threading.Lock()
@@ -135,9 +128,8 @@ class Readiness:
         return os.path.join(self._dir, f"{kernels.name}-{self._stamp}")
 
     def _start(self, kernels):
-        """The background compile of `kernels`: `python -m fusedrnn.cpu.warm SPEC` in a
-        process of its own, at a lower priority than this one, its output in a log beside
-        the markers."""
+        """`python -m fusedrnn.cpu.warm SPEC` for `kernels`, a process at a lower priority,
+        its output in a log beside the markers."""
         os.makedirs(self._dir, exist_ok=True)
         log = open(os.path.join(self._dir, f"{kernels.name}.log"), "w")   # noqa: SIM115
         env = dict(os.environ, **{ENV: "0"})
@@ -159,8 +151,7 @@ def _lower_priority():
 
 READY = Readiness()
 
-# The bounds that pick a kernel's serial or parallel build (fused.py, lowlevel): the
-# replay sets them each way in turn, so both builds are compiled.
+# The serial/parallel bounds (fused.py, lowlevel): the replay sets them each way in turn.
 _BOUNDS = (("fused", ("SERIAL_WORK", "SERIAL_LOOP_WORK", "SERIAL_LOOP_BYTES",
                       "SERIAL_POINTWISE")),
            ("lowlevel.gemm", ("SERIAL_WORK",)), ("lowlevel.packing", ("SERIAL_ELEMENTS",)))
@@ -180,10 +171,9 @@ def _set_bounds(value):
 
 
 def replay(kernels: KernelSet, write_marker=True):
-    """Compile every kernel an op of `kernels` can launch, into the disk cache: its calls
-    (inference, a training forward and its backward; with sequence lengths and clipping)
-    at a few batch sizes, once on each build, in its own layers and in two bidirectional
-    ones (whose views of the layer buffers other stacks share); then mark the set ready."""
+    """Compile every kernel an op of `kernels` can launch into the disk cache (inference,
+    training, lengths and clipping, a few batch sizes, each build, its own layers and two
+    bidirectional ones, whose buffer views other stacks share); then mark it ready."""
     from ..config import PRECISIONS
     from . import _own_product
     from .fused import own_gemm

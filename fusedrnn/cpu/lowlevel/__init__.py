@@ -1,36 +1,25 @@
 """The CPU kernels' low-level layer, and its one entry: import from here, never from the
-submodules (tests/test_layering.py checks it). What the rest of fusedrnn.cpu uses:
+submodules (tests/test_layering.py checks it):
 
-    microkernel  PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t: the register-tiled GEMM
-                 against packed panels; tile_settings() for jitcache's stamp
-    packing      panels, pack_recurrent, pack_recurrent_rows, pack_input_weights,
-                 pack_panel: every weight layout the micro-kernel reads
-    gemm         project, CHUNK: the input projection of all steps, and the input
-                 gradient's GEMM, on Numba's threads
-    rows         row_copy, row_zero, row_add, row_add3, row_round: 16-element vector
-                 row moves (row_round: float32 to bfloat16 bits)
-    workshare    claim, finish, new_counters: the steps' blocks shared in one region
-    mathfn       fast_exp, sigmoid, tanh, select, one_like, zero_like: vectorisable math
-    bf16         HAS_BF16, panel_gemm_bf16 (and its form that starts from a bias),
-                 pack_pairs: the AVX512-BF16 register tile (vdpbf16ps) and its panel layout
-    bf16gemm     bf16_bits, round_rows, interleave_rows, widen, narrow,
-                 pack_recurrent_pairs, pack_input_pairs, pack_k_pairs, project_bf16: the
-                 bfloat16 path's packers, conversions, input projection and the
-                 training GEMMs' products
-    float16      f16_value, f16_bits, widen_f16, narrow_f16, project_widened: float16
-                 as uint16 bits (Numba's CPU target has no float16), and the input
-                 projection reading half-precision rows in place
+    microkernel  the register-tiled GEMM against packed panels
+    packing      every weight layout the micro-kernel reads
+    gemm         the input projection of all steps (and the input gradient's GEMM)
+    rows         16-element vector row moves
+    workshare    the steps' blocks shared in one parallel region
+    mathfn       vectorisable exp, sigmoid, tanh and selects
+    bf16         the AVX512-BF16 register tile (vdpbf16ps) and its panel layout
+    bf16gemm     the bfloat16 path's packers, conversions and products
+    float16      float16 as uint16 bits (Numba's CPU target has none), read in place
 
-Words, each in one sense here and in fused.py (three of them used to have several):
+Words, each in one sense here and in fused.py:
     panel        16 columns of a weight, packed (K, 16) contiguous: what the micro-kernel
                  multiplies against; a block of 16 hidden units owns one panel per gate
     register tile  the micro-kernel's accumulators: ROWS rows of A x 16 columns
     block tile   fused.py's per-block scratch (`tiles`): one 256-wide row per sample
                  holding a block's gates, states and record while the cell runs
     spill        gemm's scratch for the partial last panel of the input projection
-    row          up to 16 contiguous elements of one sample (rows.py moves them); A's
-                 rows and ROWS (tile heights) count samples; pack_recurrent_rows packs
-                 W_h's columns for the backward product dg @ W_h
+    row          up to 16 contiguous elements of one sample (rows.py); A's rows and ROWS
+                 count samples; pack_recurrent_rows packs W_h's columns for dg @ W_h
 
 VECTOR_BITS here is the value at import; microkernel.VECTOR_BITS is the setting a
 process may override before it compiles a tile (tile_settings() reads it).

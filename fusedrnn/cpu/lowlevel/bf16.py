@@ -1,13 +1,10 @@
 """A bfloat16 register tile for AVX512-BF16: the building block of issue 25's CPU path.
 
-`vdpbf16ps` multiplies pairs of bfloat16 values and adds both products to float32 lanes:
-per 512-bit instruction 16 lanes x 2 products, twice the multiply-adds of a float32 FMA
-at the same width, with float32 accumulation. llvmlite's IR has no bfloat type, so the
-intrinsic is reached through a helper written in LLVM's textual IR (_HELPER), parsed
-once and linked into each module that asks for it; LLVM inlines it (alwaysinline).
+`vdpbf16ps` adds the products of pairs of bfloat16 values to float32 lanes: twice a
+float32 FMA's multiply-adds. llvmlite's IR has no bfloat type, so the intrinsic is reached
+through a helper in LLVM's textual IR (_HELPER), linked into each module that asks.
 
-Layouts (k counted in pairs, kp = ceil(K / 2); an odd K is padded with a zero by the
-packer):
+Layouts (k counted in pairs, kp = ceil(K / 2); an odd K padded with a zero):
     A      (rows, kp) uint32, row stride lda (uint32s): A[r, 2p] in the low half of
            element (r, p), A[r, 2p+1] in the high half (a bfloat16 matrix (rows, 2kp)
            viewed as uint32, as it lies in memory)
@@ -15,21 +12,16 @@ packer):
            16 columns of B (pack_pairs)
 panel_gemm_bf16(a, lda, rows, panel, pstride, npanels, c, ldc, kp)  (Numba intrinsic)
     C (rows, npanels*16) float32, row stride ldc, overwritten with A @ [panel_0 ..];
-    panel j at panel + j*pstride uint32s; npanels a compile-time constant. Tiles as the
-    float32 micro-kernel's (microkernel.tile_height: up to 24 accumulators, 8 rows).
+    panel j at panel + j*pstride uint32s; npanels a constant; the float32 kernel's tiles.
     Addresses are integers; C must not overlap A or the panels.
-panel_gemm_bf16_cols(...)  the same with A stored by columns: (kp, rows) uint32, pair p
-    of row r at a + p*lda + r (the weight gradients' dG^T: dG's rows interleaved in
-    pairs, bf16gemm.interleave_rows, with no transposing copy).
-panel_gemm_bf16_cols_acc(...)  the by-columns product adding A @ B to C (its tiles start
-    from C's values, not zero): a long k in blocks (bf16gemm.K_BLOCK).
+panel_gemm_bf16_cols(...)  the same with A by columns: (kp, rows) uint32, pair p of row r
+    at a + p*lda + r (dG^T from bf16gemm.interleave_rows: no transposing copy).
+panel_gemm_bf16_cols_acc(...)  the by-columns product adding A @ B to C (K_BLOCK's blocks).
 panel_gemm_bf16_bias(a, lda, rows, panel, pstride, npanels, c, ldc, kp, bias, bstride)
-    C = A @ [panel_0 ..] + the panels' bias rows: panel j's 16 float32 at bias + j*bstride
-    floats, added to every row of C (the sums start from them), 16 readable floats each
-    (a partial block's row padded); no overlap with C. The fused loop's products
-    (fused.py): the bias comes in with the product, not as a pass over the tile after it.
-Only where the CPU Numba compiles for has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot
-select the instruction, and the callers must not compile this.
+    C = A @ [panel_0 ..] + the panels' bias rows (panel j's 16 float32 at bias + j*bstride
+    floats, padded, added to every row of C); no overlap with C. The fused loop's products.
+Only where Numba's target has AVX512-BF16 (HAS_BF16): elsewhere LLVM cannot select it,
+so callers must not compile this.
 """
 from __future__ import annotations
 
@@ -87,10 +79,9 @@ def _link_helper(context):
 
 def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *biased, rows, group, by_columns,
                accumulate):
-    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring's layouts), or with
-    accumulate C += A @ B; A by columns where by_columns. With `biased` (the bias row's
-    address and the stride between the panels' rows, in floats) the sums also start from
-    panel j's bias row, the same for every row of the tile."""
+    """C[rows, group*16] = A[rows, 2kp] @ B (module docstring), or with accumulate C +=
+    A @ B; A by columns where by_columns; with `biased` (bias row address, stride between
+    the panels' rows in floats) the sums start from panel j's bias row."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     u32, f32 = ir.IntType(32), ir.FloatType()
@@ -104,9 +95,8 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, kp, *biased, rows, group
         at = builder.add(builder.mul(const(r), ldc), const(j * PANEL))
         return builder.bitcast(builder.gep(c_ptr, [at]), f32v.as_pointer())
 
-    # A one-panel tile keeps `split` partial sums per accumulator (pairs p = s mod split),
-    # as the float32 tile does (microkernel.k_split): 6 chains of vdpbf16ps could not
-    # cover its latency, and the backward loop's one-panel products ran at half speed.
+    # A one-panel tile splits its sums (pairs p = s mod split) as the float32 tile does
+    # (microkernel.k_split): 6 chains of vdpbf16ps could not cover its latency.
     # Measured: bench/results/cpu-kernel-notes.md#bf16-one-panel-tiles-split-their-sums
     split = k_split(rows, group, 1)
     start = [None] * group
@@ -163,9 +153,8 @@ def _suffix(by_columns, accumulate, biased=False):
 
 def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, kp, *biased, npanels,
                by_columns, accumulate):
-    """microkernel.emit_tiled_product over the bfloat16 tiles: the float32 tiles' shapes
-    (one zmm accumulator a panel), every element 4 bytes (A's and the panels' pairs, C);
-    `biased`: the bias row's address and stride (_emit_tile)."""
+    """microkernel.emit_tiled_product over the bfloat16 tiles (the float32 tiles' shapes,
+    4-byte elements); `biased`: as _emit_tile's."""
     suffix = _suffix(by_columns, accumulate, bool(biased))
 
     def tile(h, group):
@@ -222,9 +211,8 @@ panel_gemm_bf16_bias = _panel_gemm(False, biased=True)
 
 
 def pack_pairs(b):
-    """B (K, C) as bfloat16 bits (uint16, or ml_dtypes.bfloat16) -> panels
-    (ceil(C/16), ceil(K/2), 16) uint32 in the module docstring's layout, zero-padded in K
-    and C."""
+    """B (K, C) as bfloat16 bits (uint16, or ml_dtypes.bfloat16) -> zero-padded panels
+    (ceil(C/16), ceil(K/2), 16) uint32 (module docstring's layout)."""
     bits = np.asarray(b).view(np.uint16)
     K, C = bits.shape
     kp, count = -(-K // 2), -(-C // PANEL)

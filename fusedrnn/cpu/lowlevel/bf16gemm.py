@@ -1,44 +1,30 @@
 """The bfloat16 path's products around the vdpbf16ps tile (bf16.py): its packers, the
 input projection, and the float32 -> bfloat16 rounding the fused loop's states take.
 
-Layouts are bf16.py's: A as rows of bfloat16 pairs (uint32), k counted in pairs
-(kp = ceil(K / 2), an odd K padded with a zero); panels (kp, 16) uint32, pair p of
-column j holding B[2p, j] (low half) and B[2p+1, j] (high half).
+Layouts are bf16.py's (kp = ceil(K / 2) pairs of k); rounding is to nearest even.
 
-bf16_bits(x)                  (inline) float32 -> bfloat16 bits (uint32, low 16 bits),
-                              rounded to nearest even; a NaN stays a NaN
+bf16_bits(x)                  (inline) float32 -> bfloat16 bits (uint32); NaN stays NaN
 round_rows(src, dst)
     src  (M, K) float32       in
     dst  (M, 2*kp) uint16     out  src rounded to bfloat16, a zero in the odd-K pad
 pack_recurrent_pairs(w_h, gates, out)
-    w_h  (G*H, K) float32     in   values already bfloat16 (the op's float32 copies of
-                                   bfloat16 parameters): the packing is exact; or uint16,
-                                   the bfloat16 bits themselves (the parameters in place)
-    out  (B, G, kp, 16) uint32 out panel [b, g]: gate g's units 16b..16b+15 as columns
-                                   of W_h^T (pack_recurrent's order), zero past H and K
+    w_h  (G*H, K) float32     in   bfloat16 values (packed exactly), or uint16 bits
+    out  (B, G, kp, 16) uint32 out pack_recurrent's order, zero past H and K
 pack_input_pairs(ws, out)
     ws   sequence of (G*H, K) float32, each direction's W_x (or uint16 bits, as above)
-    out  (P, kp, 16) uint32   out  panel p: rows 16p..16p+15 of the concatenated ws as
-                                   columns (pack_input_weights's order), zero past the end
+    out  (P, kp, 16) uint32   out  pack_input_weights's order, zero past the end
 widen(src, dst) / narrow(src, dst)
-    src, dst  flat (contiguous 1-D) arrays of one length: bfloat16 bits (uint16) <->
-              float32, exactly / rounded to nearest even: the op's conversions at its
-              edges (ml_dtypes' astype took 23 / 11 ms for 4.8M values, these 1-3 ms)
+    src, dst  flat arrays of one length: bfloat16 bits (uint16) <-> float32 (exact /
+              rounded): the op's conversions at its edges, on Numba's threads
 interleave_rows(src, dst)
     src  (K, M) float32       in   any row stride, unit column stride (a column block of dG)
-    dst  (kp, M) uint32       out  rows 2p and 2p+1 of src rounded to bfloat16 and
-                                   interleaved: element (p, m) holds src[2p, m] (low half)
-                                   and src[2p+1, m] (high half), zero past K: src^T as A
-                                   stored by columns (bf16.panel_gemm_bf16_cols)
+    dst  (kp, M) uint32       out  (p, m) holds src[2p, m] (low) and src[2p+1, m] (high),
+                                   zero past K: src^T as A by columns (panel_gemm_bf16_cols)
 pack_k_pairs(src, out)
-    src  (K, C) float32       in   any row stride, unit column stride (or bfloat16, its bits
-                                   taken as they are: a training's layer-0 data in place)
-    out  (P, kp, 16) uint32   out  src as panels of pairs of k (bf16.py's layout: pair p of
-                                   column j holds src[2p, j] and src[2p+1, j]), rounded to
-                                   bfloat16, zero past K and C
+    src  (K, C) float32       in   any row stride, unit column stride (or bfloat16 in place)
+    out  (P, kp, 16) uint32   out  src as panels of pairs of k, rounded, zero past K and C
 project_bf16(a, wpack, c, spill, by_columns=False)
-    a     (M, kp) uint32      in   bfloat16 pairs of the layer input's rows; with by_columns
-                                   (kp, M) (interleave_rows's: A = src^T by columns)
+    a     (M, kp) uint32      in   rows of bfloat16 pairs; with by_columns (kp, M), by columns
     wpack (P, kp, 16) uint32  in   pack_input_pairs's or pack_k_pairs's
     c     (M, C) float32      out  A @ W^T (A @ B for pack_k_pairs's B); every element written
     spill (ceil(M/CHUNK), CHUNK, 16) float32  scratch for a partial last panel
@@ -72,9 +58,8 @@ def bf16_bits(x):
         ((bits + rounding) >> np.uint32(16))
 
 
-# The loops below index 1-D slices from 0: with an index that starts elsewhere, Numba's
-# loops did not vectorise (widen 1.6 ms against 0.2 for 4.8M values).
-# Measured: bench/results/cpu-kernel-notes.md#bf16-the-training-gemms
+# The loops below index 1-D slices from 0: from any other start Numba's loops did not
+# vectorise. Measured: bench/results/cpu-kernel-notes.md#bf16-the-training-gemms
 
 
 def _round_rows(src, dst):
@@ -116,8 +101,7 @@ _interleave_rows, _interleave_rows_serial = parallel_and_serial(_interleave_rows
 
 
 def interleave_rows(src, dst):
-    """dst (kp, M) uint32 = src (K, M)'s row pairs rounded to bfloat16 and interleaved
-    (docstring above)."""
+    """dst (kp, M) uint32 = src (K, M)'s row pairs, rounded, interleaved (docstring above)."""
     if dst.shape != (-(-src.shape[0] // 2), src.shape[1]) or src.strides[1] != 4:
         raise ValueError(f"interleave_rows: dst {dst.shape} does not fit src {src.shape} "
                          f"(strides {src.strides})")
@@ -147,8 +131,7 @@ _pack_k_pairs, _pack_k_pairs_serial = parallel_and_serial(_pack_k_pairs)
 
 
 def pack_k_pairs(src, out):
-    """out (P, kp, 16) uint32 = src (K, C) as panels of bfloat16 pairs of k (docstring
-    above)."""
+    """out (P, kp, 16) uint32 = src (K, C) as panels of pairs of k (docstring above)."""
     K, C = src.shape
     if src.dtype.name == "bfloat16":   # its bits, as they are
         src = src.view(np.uint16)
@@ -203,8 +186,7 @@ def narrow(src, dst):
 
 
 def _bits(x):
-    """(Numba only) bfloat16 bits of a weight: a float32 holding a bfloat16 value, or the
-    bits themselves (uint16: the data's own parameters, read in place)."""
+    """(Numba only) bfloat16 bits of a weight: a float32 value rounded, or uint16 bits."""
     raise NotImplementedError("_bits is compiled by Numba only")
 
 
@@ -238,8 +220,7 @@ _pack_recurrent_pairs, _pack_recurrent_pairs_serial = parallel_and_serial(_pack_
 
 
 def pack_recurrent_pairs(w_h, gates, out):
-    """W_h (G*H, K) float32 or bfloat16 bits -> (B, G, kp, 16) uint32 pairs (docstring
-    above)."""
+    """W_h (G*H, K) float32 or bfloat16 bits -> (B, G, kp, 16) uint32 (docstring above)."""
     with LAUNCH_LOCK:
         small = w_h.size <= _packing.SERIAL_ELEMENTS
         pick(_pack_recurrent_pairs, _pack_recurrent_pairs_serial, small)(w_h, gates, out)
@@ -277,23 +258,16 @@ def pack_input_pairs(ws, out):
     return out
 
 
-# Pairs of k per pass of the by-columns product (dW's form): a longer k (the weight
-# gradients' K = T*N) goes in blocks, the tiles of every block after the first adding to
-# C, so that a chunk's A over one block (96 uint32s of each of its rows of pairs) stays in
-# L2 while every panel passes over it. At K = 6000: 6000 x 800 x 800 12.1 -> 9.6 ms,
-# 3200 x 6000 x 800 38.9 -> 33.3 ms (blocks of 500-1500 within 3%). A by rows, whose
-# chunk is contiguous, gained nothing (6000 x 3200 x 800: 30.8 -> 31.4 ms), so it takes
-# its k in one pass.
+# Pairs of k per pass of the by-columns product (dW's, K = T*N): in blocks, each later one
+# adding to C, a chunk's A over one block stays in L2 while every panel passes over it.
+# (A by rows, its chunk contiguous, gained nothing: one pass.)
 # Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
 K_BLOCK = 1024
-# Work items at least of the by-columns form (row chunks split into panel groups when
-# few; by rows gemm._project's 8): 8 left the 9 chunks of an 800-row product 5 to 4 on
-# two workers. dW_h of rnn_tanh at the design size, 6000 x 800 x 800: 9.6 -> 8.6 ms.
-# Measured: bench/results/cpu-kernel-notes.md#bf16-k-blocks-for-the-weight-gradients
+# Work items at least of the by-columns form (by rows gemm._project's 8, which left the 9
+# chunks of an 800-row product 5 to 4 on two workers)
 ITEMS = 16
 
 
-# (By rows k is one pass, so only the by-columns form adds to C.)
 @nb.njit(inline="always", cache=True)
 def _quad(a, lda, rows, panel, pstride, c, ldc, kb, by_columns, later):
     if not by_columns:

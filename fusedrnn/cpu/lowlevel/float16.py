@@ -1,30 +1,21 @@
 """IEEE float16 on the CPU: conversions to and from float32, and the input projection
-that reads half-precision data in place (issue 25: float16, and bfloat16 where the CPU
-has no AVX512-BF16, are converted inside the kernel, not by copying the whole tensor).
+that reads half-precision data in place (float16, and bfloat16 without AVX512-BF16, are
+converted inside the kernel, not by copying the whole tensor). Numba's CPU target has no
+float16, so values travel as their bits (uint16), converted with selects LLVM vectorises.
 
-Numba's CPU target has no float16 type, so float16 values travel as their bits (uint16)
-and are converted with integer and float32 operations written as selects, which LLVM
-vectorises (no branch per element).
-
-f16_value(bits)               (inline) float16 bits (uint16) -> float32, exact (every
-                              float16 is a float32: subnormals, infinities, NaN payloads)
-f16_bits(x)                   (inline) float32 -> float16 bits (uint16), rounded to nearest
-                              even; beyond float16's range an infinity; a NaN stays a NaN
+f16_value(bits)  (inline) float16 bits (uint16) -> float32, exact (NaN payloads too)
+f16_bits(x)      (inline) float32 -> float16 bits, nearest even; past range inf; NaN stays
 widen_f16(src, dst) / narrow_f16(src, dst)
-    src, dst  flat (contiguous 1-D) arrays of one length: float16 bits (uint16) <->
-              float32, on Numba's threads: the op's conversions at its edges (numpy's
-              casts are single-threaded: 5.6 / 6.7 ms for 4.8M values)
+    src, dst  flat arrays of one length: float16 bits (uint16) <-> float32, on Numba's
+              threads: the op's conversions at its edges (numpy's casts are single-threaded)
 project_widened(a, bf16, wpack, c, spill, block)
-    a      (M, K) uint16   in   rows of the layer input as half-precision bits: float16,
-                                or bfloat16 where bf16 is True (contiguous rows)
+    a      (M, K) uint16   in   contiguous rows of float16 bits, or bfloat16 where bf16
     bf16   bool
     wpack  (P, K, 16) float32 in  packing.pack_input_weights's layout
     c      (M, C) float32  out  a @ W^T, every element written
     spill  (ceil(M/CHUNK), CHUNK, 16) float32 scratch, as gemm.project's
-    block  (W, CHUNK, K) float32 scratch: worker w widens each chunk of rows it takes
-                                into block[w] before the product (W = workers)
-    No argument overlaps another. gemm.project's tiling; only A's rows are widened, one
-    chunk (96 rows) at a time, so the float32 copy of the data is never made.
+    block  (W, CHUNK, K) float32 scratch: worker w widens its chunks into block[w]
+    No argument overlaps another. gemm.project's tiling; A widened a chunk at a time.
 """
 from __future__ import annotations
 
@@ -140,8 +131,7 @@ def _project_widened(a, bf16, wpack, c, spill, block):
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
     workers = block.shape[0]
-    # One work item per chunk of rows and all its panels (gemm.project splits the panels
-    # too when chunks are few; here the widening would then be repeated per group).
+    # One work item per chunk of rows and all its panels (split, each would widen again)
     for w in prange(workers):
         rows_f32 = block[w]
         for chunk in range(w, chunks, workers):

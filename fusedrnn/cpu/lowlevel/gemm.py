@@ -1,11 +1,7 @@
 """The input projection W_x x_t of every step, as one GEMM on Numba's threads.
 
-Why not numpy's matmul, which is as fast on its own: OpenBLAS's threads spin for about
-0.1 s after each call (its THREAD_TIMEOUT, read once at start-up), and the fused loop
-that follows competes with them for the cores. On the fused loop's own micro-kernel an
-inference call stays on one thread pool. FusedLayer.projects_input uses it in float32,
-and in float64 where the tiles are 512 bits wide (with 256-bit float64 tiles numpy's
-dgemm won despite its spinning threads).
+Why not numpy's matmul (as fast alone): OpenBLAS's threads spin after each call, against
+the fused loop that follows. Used in float32, and float64 with 512-bit tiles (own_gemm).
 Measured: bench/results/cpu-kernel-notes.md#gemm-the-input-projection
 
 project(a, wpack, c, spill)
@@ -25,20 +21,15 @@ from .microkernel import PANEL, panel_gemm
 
 __all__ = ["CHUNK", "project"]
 
-# Rows per parallel work item: a multiple of both register-tile heights (6 and 3), and
-# small enough that a chunk of A (96 x 800 floats, 300 KB) stays in the 1 MB L2 while
-# every panel of W passes over it once.
+# Rows per work item: a multiple of the tile heights (6 and 3), and a chunk of A (96 x 800
+# floats) small enough to stay in L2 while every panel of W passes over it.
 CHUNK = 96
 # Up to this many multiply-adds (M*K*C) the projection runs as its serial build: a
-# parallel region's launch costs more than the product on one core. 2^23 was measured
-# when workqueue's launch took ~60 us; at today's 110-120 us, in a numpy program
-# (threads.SLEEPING_WORKERS) the bound is 2^25 (with packing.SERIAL_ELEMENTS' 2^19:
-# 1.07x over 36 medium float32 inference cells, LSTM T=20 N=8 H=128 454 -> 303 us).
-# A torch program's OpenMP launch is cheaper still, and keeps 2^23.
+# parallel region's launch costs more than the product on one core, and more in a numpy
+# program (threads.SLEEPING_WORKERS) than on a torch program's OpenMP layer.
 # Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
 SERIAL_WORK = 1 << 25 if SLEEPING_WORKERS else 1 << 23
-# Panels per product where four whole ones are left in a work item's range: the
-# micro-kernel covers them in tiles of several panels (microkernel.panels_per_tile).
+# Panels per product where four are left: tiles of several panels (panels_per_tile)
 QUAD = 4
 
 
@@ -49,8 +40,7 @@ def _project(a, wpack, c, spill):
     full = C // PANEL
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
-    # Few row chunks (T*N = 64: a short sequence of a small batch) would leave a core
-    # idle: split the panels into groups so there are at least 8 work items.
+    # Few row chunks would leave a core idle: split the panels into at least 8 work items.
     groups = min(panels, max(1, -(-8 // chunks)))
     for item in prange(chunks * groups):
         chunk, group = item // groups, item % groups

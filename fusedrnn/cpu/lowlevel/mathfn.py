@@ -1,29 +1,20 @@
 """exp, sigmoid and tanh that LLVM can vectorise, for the CPU cell kernels.
 
-Numba lowers math.exp / math.tanh to scalar libm calls (it has no SVML on this
-machine's builds), which cost ~100 ns per LSTM element per step and stop the loop
-vectoriser. These are plain arithmetic, one bit-cast and selects, so a loop over hidden
-units compiles to AVX2 code. Each is written for the argument's own precision:
+Numba lowers math.exp / math.tanh to scalar libm calls (no SVML in its builds here),
+which are slow and stop the loop vectoriser. These are plain arithmetic, one bit-cast and
+selects, written for the argument's own precision, so a loop over units vectorises:
 
-    exp      Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, then a Taylor
-             polynomial in r (degree 7 for float32, 12 for float64: truncation below
-             half an ulp) scaled by 2**n built from its exponent bits. The reduction and
-             Horner's steps are FMAs (_fma: Numba itself emits a*b + c as a multiply and
-             an add): float32 exp's largest error 1.19 -> 0.91 ulp, and a vectorised
-             LSTM cell 32.6 -> 21.5 ns per 16 units.
+    exp      Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, a Taylor polynomial in r
+             (degree 7 for float32, 12 for float64: truncation below half an ulp) on FMAs
+             (_fma), scaled by 2**n from its exponent bits. float32's error: 0.91 ulp.
              Measured: bench/results/cpu-kernel-notes.md#cells-exp-on-fmas
     sigmoid  1 / (1 + exp(-x)): no cancellation, relative error ~2 ulp.
     tanh     sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): absolute error ~2 ulp of 1
-             (relative error grows like ulp/|x| as x -> 0; the cells' tolerances are
-             absolute in this sense, like every float32 tanh built from exp).
+             (the cells' tolerances are absolute, as for every float32 tanh from exp).
 
 Below exp's normal range (x < -87.3 in float32, -708 in float64) it returns 0, above
-it (88.3, 709) +inf, so sigmoid and tanh saturate exactly; NaN propagates.
-
-Their conditionals are `select`s, not Python's `a if c else b` (select's docstring says
-why), and they inline into their caller at Numba's level (inline="always"), so a cell
-loop's body holds the whole computation whatever LLVM's inliner decides in a large
-kernel.
+it (88.3, 709) +inf, so sigmoid and tanh saturate exactly; NaN propagates. They inline
+at Numba's level (inline="always"), so a cell loop holds the whole computation.
 """
 from __future__ import annotations
 
@@ -56,8 +47,7 @@ _TAYLOR64 = tuple(1.0 / math.factorial(k) for k in range(12, -1, -1))
 
 @intrinsic
 def _pow2(typingctx, n, like):
-    """2.0**n for an integer-valued float n in the normal range, as like's type:
-    the biased exponent shifted into place and bit-cast."""
+    """2.0**n for an integer-valued float n in the normal range, as like's type."""
     float_type = like
 
     def codegen(context, builder, signature, args):
@@ -80,10 +70,8 @@ def select(cond, a, b):
 
 @intrinsic
 def _select(typingctx, cond, a, b):
-    """LLVM `select`: a if cond else b for two floats (_select_type). Why not the
-    Python conditional: Numba lowers it to branches, and inside the fused kernels LLVM
-    did not turn them back into selects, so the cell loops kept control flow and ran
-    scalar. A select vectorises as a blend.
+    """LLVM `select`: a if cond else b for two floats (_select_type). Numba lowers Python's
+    conditional to branches, which kept the fused kernels' cell loops scalar.
     Measured: bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops"""
     result = _select_type(cond, a, b)
     if result is None:
@@ -98,8 +86,7 @@ def _select(typingctx, cond, a, b):
 
 
 def _select_type(cond, a, b):
-    """The result type of select(cond, a, b): as the conditional expression's, the wider
-    of two floats (float32 and float64 give float64); None for other arguments."""
+    """select's result type: the wider of two floats, as Python's conditional; else None."""
     floats = (types.float32, types.float64)
     if not (isinstance(cond, types.Boolean) and a in floats and b in floats):
         return None
@@ -115,10 +102,7 @@ def _select_overload(cond, a, b):
 
 @intrinsic
 def _fma(typingctx, a, b, c):
-    """a * b + c as `llvm.fmuladd`: one FMA where the CPU has one (one rounding), else a
-    multiply and an add. Numba emits `a * b + c` as two instructions (it allows no
-    contraction), which doubled exp's polynomial; the loop vectoriser widens the
-    intrinsic as it does the arithmetic."""
+    """a * b + c as `llvm.fmuladd`: an FMA where the CPU has one (Numba itself emits two)."""
     if not (a == b == c and a in (types.float32, types.float64)):
         return None
 

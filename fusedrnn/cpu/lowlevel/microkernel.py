@@ -1,70 +1,39 @@
 """A register-tiled GEMM micro-kernel against pre-packed weights, for the fused CPU steps.
 
-Why not numpy's BLAS per step: the recurrent product is (N, K) @ (K, G*H) with N small,
-and OpenBLAS re-packs the whole weight matrix on every call, running at a quarter of its
-large-matrix rate. The weights do not change during a call, so we pack them once into
-16-column panels (packing.py) and run this kernel over them. In float64 numpy's dgemm is
-as fast or faster at these shapes; the fused loop still wins there by keeping W_h h in
-a cache-resident tile and skipping a second parallel region.
+Why not numpy's BLAS per step: for (N, K) @ (K, G*H) with N small OpenBLAS re-packs the
+whole weight matrix every call; we pack it once into 16-column panels (packing.py).
 Measured: bench/results/cpu-kernel-notes.md#microkernel-why-not-blas-per-step
 
-Numba cannot keep a tile of accumulators in vector registers on its own (its loop
-vectoriser vectorises the K reduction instead and spills), so the kernel is emitted
-as LLVM IR through a Numba intrinsic: MR x (16 / lanes) vector accumulators, one
-broadcast of A per row, `llvm.fmuladd` (an FMA where the CPU has one).
+Numba's own loops vectorise the K reduction and spill, so the kernel is LLVM IR (a Numba
+intrinsic): a tile of vector accumulators, one broadcast of A per row, `llvm.fmuladd`.
 
-The vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256.
-A tile covers several panels at once where the registers allow (panels_per_tile,
-tile_height): at 512 bits float32 up to 4 panels (an LSTM block's gates) x 6 rows, or 3
-x 8, 2 x 8; float64 up to 3 panels (2 zmm each) x 4 rows. One broadcast of A then feeds
-several FMAs, and 12-24 independent sums cover the FMA's latency: a Zen 5 core issues
-two 512-bit FMAs a cycle at a latency of 4, so the one-panel 6 x 1 zmm tile (6 sums)
-could reach 3/4 of its peak at most, and measured 180-200 GFLOP/s a core against 250-280
-for 6 x 2, 8 x 2 or 6 x 4. A single panel (the backward's dh, a GRU's third gate in
-float64) keeps ROWS rows: float32 6 x 1 zmm (LLVM folds the broadcast into the FMA as an
-embedded {1to16} operand), float64 6 x 2 zmm; at 256 bits (AVX2, 16 registers) tiles
-stay one panel: float32 6 rows x 2 ymm, float64 3 rows x 4 ymm, which needs 17, so LLVM
-keeps one accumulator on the stack: the spill-free float64 tiles tried did not make the
-op faster. At 512 bits float64 also takes this kernel for its input projection
-(FusedLayer.projects_input). A one-panel tile of few rows keeps 2-4 partial sums per
-accumulator over alternate k (k_split: 1 row 40 -> 75-86 GFLOP/s a core, 6 rows 201 ->
-220), so the order of its additions, and the last bits of a result, depend on the
-tile's height and width, never on the thread count. The several-panel tiles were measured on a
-Zen 5 only; on a Zen 4 (512-bit FMAs as two halves, one a cycle) they do no more FMAs
-per load than the tile they replace, and are untested for speed; on Intel's AVX-512
-parts the rule is untested.
-Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights
-and #microkernel-tiles-of-several-panels
+Vectors are 512 bits wide where the CPU has AVX-512F (VECTOR_BITS), else 256. A tile
+covers several panels where the registers allow (panels_per_tile), so that one broadcast
+of A feeds several FMAs and enough sums cover the FMA's latency (measured on a Zen 5
+only). At 256 bits float64's 3 x 4 ymm tile keeps one accumulator on the stack (spill-free
+tiles did not make the op faster). A result's last bits depend on the tile's shape
+(k_split), never on the thread count.
+Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights,
+bench/results/cpu-kernel-notes.md#microkernel-tiles-of-several-panels
 
-Each tile is emitted once per LLVM module as its own `noinline` function, called from
-the kernels that use it, so that its k-loop has the 16 general registers to itself:
-inlined, it shared them with the enclosing kernel's live values and LLVM reloaded row
-addresses from the stack inside it. As a function it needs 9 and reloads none
-(tests/cpu/lowlevel/test_microkernel.py checks the asm). A call costs a few cycles
-against a k-loop of K iterations.
+Each tile is its own `noinline` function per LLVM module, so its k-loop has the general
+registers to itself (inlined, it reloaded row addresses from the stack; test_microkernel).
 Measured: bench/results/cpu-kernel-notes.md#microkernel-the-tile-as-a-noinline-function
 
 panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intrinsic)
     a        address of A[0, 0]; A is (rows, k), row stride lda elements, unit column stride
     panel    address of the first packed panel: (k, PANEL) contiguous, 16 columns of B
-    pstride  elements from one panel to the next (panel j at panel + j * pstride);
-             unread where npanels is 1
-    npanels  panels to multiply, a compile-time constant (a literal, or a global or
-             closure int): the tiles a kernel needs are emitted into its module
-    c        address of C[0, 0]; C (rows, npanels * PANEL) with row stride ldc;
-             overwritten with A @ [panel_0 .. panel_{npanels-1}]
+    pstride  elements from one panel to the next (unread where npanels is 1)
+    npanels  a compile-time constant (literal, global or closure int): its tiles are emitted
+    c        address of C[0, 0]; C (rows, npanels * PANEL), row stride ldc, overwritten
+             with A @ [panel_0 .. panel_{npanels-1}]
     like     any scalar of the data's dtype (float32 or float64): picks the precision
     All three are of that dtype; C must not overlap A or the panels.
 
 panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Numba function)
-    The same product stored transposed, over any number of panels (npanels need not be
-    a constant: it runs T_PANELS at a time, then one): C (npanels * PANEL, rows) with row
-    stride ldc >= rows gets (A @ [panel_0 ..])^T, element (r, j) at c[j * ldc + r]. For
-    a T=1 step (fused.py's forward_single): A is raw weight rows, read in place, and the
-    panels 16 samples each of the input as columns. Same aliasing rule.
-
-The kernels of ../fused.py and gemm.py inline this file's code; ../jitcache.py makes an
-edit here retire their disk-cached machine code.
+    The same product stored transposed, over any number of panels (T_PANELS at a time):
+    C (npanels * PANEL, rows), row stride ldc >= rows, element (r, j) at c[j * ldc + r].
+    For forward_single's T=1 step: A is raw weight rows, the panels the samples; no overlap.
 """
 from __future__ import annotations
 
@@ -85,9 +54,8 @@ PANEL = 16                                        # columns per packed panel
 
 
 def _target_vector_bits():
-    """512 where the CPU Numba compiles for has AVX-512F, else 256: the features Numba's
-    JIT target uses (NUMBA_CPU_FEATURES if set, else the host's as Numba reports them,
-    which NUMBA_ENABLE_AVX=0 strips of AVX)."""
+    """512 where Numba's JIT target has AVX-512F (NUMBA_CPU_FEATURES, else the host's as
+    Numba reports them, which NUMBA_ENABLE_AVX=0 strips of AVX), else 256."""
     features = nb.config.CPU_FEATURES
     if features is None:
         features = numba_codegen.get_host_cpu_features()
@@ -95,29 +63,25 @@ def _target_vector_bits():
 
 
 def rows_for(vector_bits):
-    """MR, rows per register tile, per dtype at a vector width. float64 at 512 bits: 6 x
-    2 zmm, 12 accumulators of 32 registers; at 256 bits 6 rows would need 24 of 16.
+    """Rows per one-panel tile, per dtype at a vector width (float64 at 256 bits: 6 rows
+    would need 24 of the 16 registers).
     Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights"""
     return {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if vector_bits == 512 else 3}
 
 
-# Vector width of the tile's accumulators and panel loads, and the tile heights. Both are read when a tile is compiled,
-# and jitcache.py puts both in the disk cache's stamp, so a process that overrides them
-# neither loads nor leaves behind machine code compiled for other values.
+# Read when a tile is compiled, and in jitcache.py's stamp: an override shares no code.
 VECTOR_BITS = _target_vector_bits()
 ROWS = rows_for(VECTOR_BITS)
 
 
 def tile_settings():
-    """(VECTOR_BITS, ROWS as sorted (dtype name, rows) pairs), read now: the settings
-    compiled tiles depend on, which a process may override (jitcache.py's stamp)."""
+    """(VECTOR_BITS, ROWS as sorted pairs), read now: jitcache.py's stamp."""
     return VECTOR_BITS, tuple(sorted((str(dtype), mr) for dtype, mr in ROWS.items()))
 
 
-# Accumulator vectors a tile may hold: 24 of AVX-512's 32 registers (the panel vectors and
-# a broadcast take the rest), 12 of AVX2's 16. And the tallest tile: each row keeps an
-# address in a general register, and past 8 rows the k-loop ran out of them (a 12 x 2
-# float32 tile spilled and ran at 100-115 GFLOP/s against 8 x 2's 270).
+# Accumulator vectors a tile may hold (the panel vectors and a broadcast take the rest of
+# the registers), and the tallest tile: past 8 rows' addresses the k-loop spilled.
+# Measured: bench/results/cpu-kernel-notes.md#microkernel-tiles-of-several-panels
 ACCUMULATORS = {512: 24, 256: 12}
 MAX_ROWS = 8
 
@@ -128,8 +92,7 @@ def _vectors_per_panel(itemsize):
 
 def panels_per_tile(dtype):
     """How many panels a tile covers at once: the most (up to 4, an LSTM block's gates)
-    that still leave at least 4 rows of accumulators, so that each broadcast of A feeds
-    several FMAs and enough independent sums are in flight to cover the FMA's latency."""
+    that still leave at least 4 rows of accumulators."""
     vectors = _vectors_per_panel(np.dtype(dtype).itemsize)
     for group in (4, 3, 2):
         if ACCUMULATORS[VECTOR_BITS] // (group * vectors) >= 4:
@@ -138,8 +101,7 @@ def panels_per_tile(dtype):
 
 
 def tile_height(dtype, group):
-    """Rows per tile when it covers `group` panels: ROWS for one panel, else as many as
-    the accumulators allow, at most MAX_ROWS."""
+    """Rows per tile of `group` panels: ROWS for one, else up to MAX_ROWS as ACCUMULATORS allow."""
     dtype = np.dtype(dtype)
     if group == 1:
         return ROWS[dtype]
@@ -148,11 +110,9 @@ def tile_height(dtype, group):
 
 
 def k_split(rows, group, vectors):
-    """Partial sums per accumulator: a tile of one panel and few rows has too few
-    independent sums for the FMA's latency (1 row: 1 chain, 40 GFLOP/s a core), so it
-    keeps `split` sums, over k = 0, 1, .. (mod split), added at the end: at least 8
-    chains, at most 4 per accumulator. Several-panel tiles of few rows are bound by
-    loading their panels instead, and do not split."""
+    """Partial sums per accumulator (over k mod split, added at the end): a one-panel tile
+    of few rows keeps at least 8 chains, at most 4 an accumulator, to cover the FMA's
+    latency. Several-panel tiles are bound by their panel loads: no split."""
     if group > 1:
         return 1
     return max(1, min(4, -(-8 // (rows * vectors))))
@@ -166,9 +126,8 @@ def _groups(npanels, most):
 
 def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, transposed,
                single):
-    """The tile's body: C[rows, group*16] = A[rows, k] @ [panel_0 .. panel_{group-1}]
-    (panel j at panel + j*pstride elements), into `builder`'s function; all seven
-    arguments are intp values: addresses and element counts."""
+    """The tile's body: C[rows, group*16] = A[rows, k] @ [panel_0 .. panel_{group-1}], into
+    `builder`'s function; the seven arguments are intp addresses and element counts."""
     intp = a.type
     lanes = VECTOR_BITS // (32 if single else 64)
     vectors = PANEL // lanes
@@ -252,16 +211,11 @@ def _function(module, name, intp, nargs, emit):
 
 def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
                        itemsize, transposed, tile, a_by_columns=False, bias=None):
-    """The whole product over `rows` rows and `npanels` panels: the panels in balanced
-    groups (panels_per_tile(dtype)), each group's rows in balanced tiles (20 rows: 4 x 5,
-    not 6+6+6+2: a thin tail tile does a fraction of a full one's FMAs per panel load),
-    each tile a call of its own function tile(height, group), picked by a switch on its
-    height. `itemsize` is the byte size of A's, the panels' and C's elements (bf16.py's
-    uint32 pairs too). With `a_by_columns` A is stored transposed (row r of A is column r
-    of the array, lda apart per k): a tile's rows start r elements in, not r*lda.
-    With `bias` (address, stride: intp values, the stride in elements between the panels'
-    16-element bias rows) each tile is called with two more arguments, the bias row of its
-    group's first panel and the stride. Shared by this file's kernels and bf16.py's."""
+    """The whole product (this file's and bf16.py's): panels in balanced groups, rows in
+    balanced tiles (20 rows: 4 x 5, not 6+6+6+2 with a thin tail), each a call of
+    tile(height, group); `itemsize`: bytes of A's, the panels' and C's elements;
+    `a_by_columns`: A stored transposed; `bias` (address, element stride between the
+    panels' bias rows): each tile also gets its group's first bias row and the stride."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
@@ -315,9 +269,7 @@ def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, tra
 
 
 def panel_count(name, integers, npanels):
-    """The typing checks the panel-GEMM intrinsics share: every address and size an
-    integer, npanels a literal >= 1. Returns the count, or None where the types do not
-    fit (for npanels, Numba retries with the literal where there is one)."""
+    """The panel-GEMM intrinsics' typing: npanels (a literal >= 1) as an int, or None."""
     if not all(isinstance(arg, types.Integer) for arg in integers):
         return None
     if not isinstance(npanels, types.IntegerLiteral):
@@ -329,9 +281,7 @@ def panel_count(name, integers, npanels):
 
 
 def _gemm_intrinsic(transposed):
-    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t: module docstring).
-    `npanels` must be a compile-time constant (a literal, a global or a closure's int):
-    the tiles a kernel needs are emitted into its module, and only those."""
+    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t: module docstring)."""
 
     @intrinsic
     def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
@@ -350,8 +300,7 @@ def _gemm_intrinsic(transposed):
             ints = [context.cast(builder, args[i], signature.args[i], types.intp)
                     for i in (0, 1, 2, 3, 4, 6, 7, 8)]
             intp = ints[0].type
-            # Its own function, never inlined (nor its tiles), so that each tile's k-loop
-            # has the general registers to itself (module docstring).
+            # its own function, never inlined (nor its tiles: module docstring)
             name = (f"fusedrnn_gemm{count}{'t' if transposed else ''}_"
                     f"{'f32' if single else 'f64'}_{VECTOR_BITS}_"
                     f"{'_'.join(map(str, heights))}")
@@ -367,8 +316,7 @@ def _gemm_intrinsic(transposed):
 
 
 # Module globals, not closure variables: Numba's disk cache keys on a closure's pickled
-# cells, and a pickled intrinsic or dispatcher differs in every process (a cache miss
-# and a new cache file per process).
+# cells, and a pickled intrinsic differs in every process (a new cache file each).
 panel_gemm = _gemm_intrinsic(False)
 _panel_gemm_t = _gemm_intrinsic(True)
 
@@ -383,17 +331,15 @@ def _itemsize(typingctx, like):
         types.intp, size)
 
 
-# The transposed product takes its panels two at a time: with A = 16 raw weight rows and
-# 4 panels of samples (K = 512, float32, one Zen 5 core), 8 x 2 zmm tiles ran at 257
-# GFLOP/s against 181 for one panel at a time and 196 for 4 x 6 tiles over all four.
+# The transposed product (A: 16 raw weight rows) takes its panels two at a time, faster
+# than one at a time or all four at once.
 # Measured: bench/results/cpu-kernel-notes.md#microkernel-the-transposed-tile-in-pairs
 T_PANELS = 2
 
 
 @nb.njit(inline="always")
 def panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
-    """panel_gemm storing C^T over `npanels` panels (any count, at run time): C
-    (npanels * PANEL, rows) with row stride ldc gets (A @ [panel_0 ..])^T."""
+    """panel_gemm storing C^T over `npanels` panels, any count (module docstring)."""
     size = _itemsize(like)
     done = 0
     while npanels - done >= T_PANELS:
@@ -406,8 +352,7 @@ def panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
 
 
 def panel_gemm_for(dtype):
-    """panel_gemm over one panel bound to `dtype`, for callers that prefer the 7-argument
-    form."""
+    """panel_gemm over one panel bound to `dtype`: a 7-argument form."""
     zero = np.dtype(dtype).type(0)
 
     @nb.njit(inline="always")

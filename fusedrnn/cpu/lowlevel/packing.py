@@ -1,27 +1,23 @@
 """Every weight packer of the CPU kernels: matrices laid out as the micro-kernel's panels.
 
-A panel is (K, PANEL) contiguous: 16 columns of the right-hand factor B, so the
-micro-kernel (microkernel.py) loads one 16-wide row of it per k. Weights do not change
-during a call, so each is packed once per call and read by every step.
+A panel is (K, PANEL) contiguous: 16 columns of the right-hand factor B, one 16-wide row
+per k for the micro-kernel. Each weight is packed once per call, read by every step.
 
 panels(units) -> B = ceil(units / 16), the panels covering `units` columns
 
 pack_recurrent(w_h, gates, out=None)
     w_h    (G*H, K)         in   W_h (or any G row blocks of H)
     out    (B, G, K, 16)    out  panel [b, g]: gate g's units 16b..16b+15 as columns of
-                                 W_h^T, zero past H (one block of units has all its
-                                 gates' columns together); allocated when None
+                                 W_h^T (a block's gates together), zero past H; or None
 
 pack_recurrent_rows(w_h, out=None)
     w_h    (G*H, R)         in
-    out    (B, G*H, 16)     out  panel b: columns 16b..16b+15 of W_h (the backward product
-                                 dg @ W_h), zero past R; allocated when None
+    out    (B, G*H, 16)     out  panel b: W_h's columns 16b..16b+15 (dg @ W_h's); or None
 
 pack_input_weights(ws, out)
     ws     sequence of (G*H, K) arrays, the input weights of each direction, in order
-    out    (P, K, 16)       out  P = ceil(len(ws)*G*H / 16): panel p holds rows
-                                 16p..16p+15 of the concatenated ws as columns, zero past
-                                 the end (no padding between directions)
+    out    (P, K, 16)       out  panel p: rows 16p..16p+15 of the concatenated ws as
+                                 columns, zero past the end (none between directions)
 
 pack_panel(w, r0, width, out)  (inline Numba function, for use inside a kernel)
     w      (R, K)           in
@@ -48,9 +44,7 @@ def panels(units):
 
 
 # Up to this many weight elements a packer runs as its serial build: a parallel region's
-# launch (waking the workqueue's workers) costs more than copying them. 2^18 when the
-# launch took ~60 us; 2^19 in a numpy program at today's 110-120 us (2^20 lost: LSTM
-# T=20 N=32 H=512 inference 7.0 -> 9.0 ms). A torch program keeps 2^18.
+# launch costs more than copying them, and more where it wakes workqueue's workers.
 # Measured: bench/results/cpu-kernel-notes.md#packing-and-projection-serial-builds
 SERIAL_ELEMENTS = 1 << 19 if SLEEPING_WORKERS else 1 << 18
 

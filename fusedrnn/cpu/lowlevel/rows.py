@@ -1,17 +1,11 @@
 """Moves of one block's row of up to 16 elements, as vector loads and stores.
 
-The fused loops (fused.py) gather each step's inputs of a 16-unit block into its tile
-and scatter the results back out: per sample, a handful of 16-element rows. Written
-as Numba loops over u these compiled to scalar code (LLVM cannot prove that the tile
-and the arrays do not overlap, so it neither vectorises nor reorders them), and cost
-more than the cell math itself; as vector moves they cost a fraction of it.
+The fused loops (fused.py) gather a block's inputs into its tile and scatter results
+out; as Numba loops these stayed scalar (LLVM cannot rule out overlap), dearer than the cell.
 Measured: bench/results/cpu-kernel-notes.md#rows-vector-row-moves
 
-A whole row (width 16) is one vector load per operand and one vector store. A partial
-block's row (the last block when H % 16 != 0) goes lane by lane, and lanes at or past
-`width` are neither read nor written, so nothing past a row's end is touched. (Masked
-vector moves did that in one instruction, but AMD's masked stores are microcoded, and
-LLVM changed those intrinsics' signature between the versions Numba builds on.)
+A whole row is one vector load per operand and one store; a partial row (H % 16 != 0)
+goes lane by lane, nothing past `width` touched (not masked: AMD microcodes those stores).
 
 row_copy(dst, src, width, like)        dst[0:width] = src[0:width]
 row_zero(dst, width, like)             dst[0:width] = 0
@@ -26,11 +20,7 @@ row_add3(dst, a, b, c, width, like)    dst[0:width] = a[0:width] + b[0:width] + 
 row_round(dst, src, width)             dst[0:width] = src[0:width] rounded to bfloat16
     dst            address of a uint16 row (bfloat16 bits); src of a float32 row
     width          0..16
-    Rounds as bf16gemm.bf16_bits does (to nearest even; a NaN stays a quiet NaN). The
-    bf16 layer's h_t and dg rows: as a slice per row and a Numba loop (the round_row
-    before) they cost 1.9 ms of the LSTM forward's 71 at T=300 N=20 H=800 (the loop
-    without them); with this, and h_{t-1} kept out of the tile where the cell never
-    reads it, the loop's work beside its products went 8.3-10.7 -> 7.7-9.0 ms.
+    Rounds as bf16gemm.bf16_bits (nearest even, NaN quiet): the bf16 layer's h_t, dg rows.
     Measured: bench/results/cpu-kernel-notes.md#bf16-rows-rounded-as-vectors
 """
 from __future__ import annotations
@@ -54,8 +44,7 @@ def _element(like):
 
 
 def _emit(context, builder, signature, values):
-    """The sum of rows values[1:-2] stored to values[0] (module docstring); with no
-    source row (row_zero), zeros."""
+    """The sum of rows values[1:-2] stored to values[0]; with no source (row_zero), zeros."""
     scalar, size = _element(signature.args[-1])
     intp = context.get_value_type(types.intp)
     vec = ir.VectorType(scalar, LANES)
@@ -87,8 +76,8 @@ def _emit(context, builder, signature, values):
 
 
 def _typed(args, like, sums=True):
-    """(signature, codegen) for integer addresses and width and a `like` of an element
-    type these moves take (a float where they add); None (no match) for anything else."""
+    """(signature, codegen) for integer addresses and width and a `like` these moves take
+    (a float where they add); None for anything else."""
     if _element(like) is not None and (like in (types.float32, types.float64) or not sums) \
             and all(isinstance(a, types.Integer) for a in args):
         return types.void(*args, like), _emit

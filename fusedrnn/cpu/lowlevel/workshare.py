@@ -1,35 +1,26 @@
 """The blocks of each time step shared among one parallel region's workers.
 
-The fused loops (fused.py) used to launch one Numba parallel region per step, and the
-region's end was the step's barrier. A launch costs tens of microseconds even with an
-empty body, a sizeable share of a small layer's loop at T=300. So the loop runs in one
-region: each worker walks every step, takes blocks of the step, and waits at the step's
-end until all its blocks are done. That made the loops faster and their times steadier.
+One parallel region per call of the fused loops, not one per step (a launch costs tens
+of microseconds even when empty): each worker walks every step, takes blocks of it, and
+waits at the step's end until all its blocks are done.
 Measured: bench/results/cpu-kernel-notes.md#workshare-one-region-per-call
 
-Why the shared tiles and outputs need no more than this: Numba marks a parallel
-region's array arguments noalias, and LLVM could keep values of them in registers
-across a step; the atomics below (a sequentially consistent add, acquire loads) are
-ordering points it may not move memory accesses across, so every worker reloads
-h_{t-1} after the barrier. The spin never yields the core: waits are one block's work.
+Numba marks a region's arrays noalias; the atomics below are ordering points LLVM may
+not move accesses across, so every worker reloads h_{t-1} after the barrier. The spin
+never yields the core: waits are one block's work.
 
-Blocks are claimed, never assigned. Worker w owns the blocks [w*B/W, (w+1)*B/W) and
-takes them first (the same core touches the same weights every step, so a W_h that fits
-in the cores' L2 stays there), then takes whatever the other workers have not. So if
-the threading layer runs two workers one after the other on one thread, or the OS stops
-a worker for a while, the others do its blocks: the barrier can only wait for a block
-that some running worker holds. No configuration hangs.
+Blocks are claimed, never assigned: worker w takes its own [w*B/W, (w+1)*B/W) first
+(its share of W_h stays in its L2), then whatever is left, so a worker run late or
+stopped cannot hang the barrier: it only waits for blocks a running worker holds.
 
 counters (T, stride) int64, zero on entry, rows on 64-byte lines (new_counters): row
-    `step` holds each share's claim count (columns 0..W-1) and, alone on the row's last
-    line, the step's finished-block count (column stride-8), so that workers spinning
-    on it do not slow the claims of those still working.
+    `step` holds each share's claim count (columns 0..W-1) and, alone on the last line
+    (spinners do not slow the claims), the step's finished-block count (column stride-8).
 
 claim(counters, step, worker, workers, blocks) -> b, or -1 when the step has none left
 finish(counters, step, done, blocks)
     add this worker's `done` blocks to the step's count, then wait until it is `blocks`
-    (stores before finish are visible to every worker after its finish: the count is
-    added with a sequentially consistent atomic and read with acquire loads)
+    (a seq-cst add, acquire loads: stores before finish are visible to all after theirs)
 """
 from __future__ import annotations
 
