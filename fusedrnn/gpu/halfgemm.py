@@ -15,9 +15,9 @@ rounds to inf here where the float32 GEMM kept it; the output then overflows too
 torch's GradScaler skips the step as for cuDNN's float16.
 
 Checked on the host (tests/gpu/test_half_gemm.py) and on an H200, where with the
-tensor-core products it made the design size's half training step 4.1-4.3x faster than
-the float32 kernels and GEMMs (bench/results/gpu.md, 2026-11-26): on by default for half
-data; FUSEDRNN_GPU_HALF_GEMMS=0 keeps the float32 GEMMs.
+tensor-core products it made the half training step faster than the float32 kernels and
+GEMMs: on by default for half data; FUSEDRNN_GPU_HALF_GEMMS=0 keeps the float32 GEMMs.
+Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25-2026-11-26
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 // Persistent recurrent kernels: one cooperative launch runs a layer-direction's whole
 // time loop, forward or backward (issue 9; host side: fusedrnn/gpu/persistent.py).
 //
-// Why: the per-step path launches a GEMM and a cell kernel per step, and cuDNN spends
-// about 35 us per step at T=300 N=20 H=800 on an H100, launch-bound. Here each block
-// owns U consecutive hidden units and keeps the matching slice of W_h in shared memory
-// for the whole sequence; per step it reads the previous state from L2, does its slice
-// of the recurrent product and the cell's pointwise math (cells.cuh, the same unit
-// functions as the per-step kernels), and the grid synchronises once (grid_barrier).
+// Why: the per-step path launches a GEMM and a cell kernel per step, and cuDNN's steps
+// are launch-bound at the design size. Here each block owns U consecutive hidden units
+// and keeps the matching slice of W_h in shared memory for the whole sequence; per step
+// it reads the previous state from L2, does its slice of the recurrent product and the
+// cell's pointwise math (cells.cuh, the same unit functions as the per-step kernels), and
+// the grid synchronises once (grid_barrier).
+// Measured: bench/results/gpu.md#persistent-where-it-fits-the-measurement
 //
 // Work split: block b owns units j = b*U .. min(H, b*U+U)-1. In the forward each step has
 // two phases. The recurrent product: items (s, u, n-group), n-group fastest, strided over
@@ -218,9 +219,8 @@ __host__ __device__ void forward_stage_weights(const PersistentForward<T>& p, T*
 // per SM: a thread that waits for each load before the next pays the L2 latency per
 // element. So each thread first issues kStageBatch independent loads, then stores them;
 // indices are 32-bit (the staged matrix fits in shared memory, and 64-bit division is a
-// long software sequence). Measured on an H100 (bench/results/gpu.md), T=300 N=20
-// I=H=800 float32: inference 1.51-1.56x faster in every mode (LSTM 36 -> 25 us per step),
-// training 1.23-1.42x, against one load per thread at a time with 64-bit indices.
+// long software sequence).
+// Measured: bench/results/gpu.md#the-staging-change
 constexpr int kStageBatch = 16;
 
 // dst[row * row_stride + col * col_stride] = src[i], i = row * width + col < count.
@@ -266,11 +266,11 @@ __host__ __device__ __forceinline__ half_bits as_half(half_bits v) { return v; }
 // The wide form of stage_half_rows: 16 bytes a load (8 halves or 4 floats) where every
 // row allows it - src and dst aligned, widths and strides whole vectors, as at the design
 // sizes - else it returns false and the scalar form runs. Bit for bit the same result.
-// Why: the backward's staging phase (the exchange's chunks staged by 2-byte loads, 16 in
-// flight a thread, and their products) took 20 of the LSTM backward's 25 us per step on
-// an H200 (bench/results/gpu.md, 2026-11-26); a load here moves 8 of those. Not yet timed
-// on a GPU; -DFUSEDRNN_SCALAR_STAGING (FUSEDRNN_GPU_WIDE_STAGING=0, persistent.py) builds
-// without it, to compare.
+// Why: the backward's staging phase (2-byte loads, 16 in flight a thread) took most of the
+// LSTM backward's step; a load here moves 8 of those. -DFUSEDRNN_SCALAR_STAGING
+// (FUSEDRNN_GPU_WIDE_STAGING=0, persistent.py) builds without it, to compare.
+// Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25-2026-11-26
+// Measured: bench/results/gpu.md#half-precision-on-an-h200-the-second-lease-issue-25-2026-11-26
 struct alignas(16) Raw16 {
   unsigned w[4];
 };
@@ -458,8 +458,8 @@ FUSEDRNN_UNROLL
 }
 
 // Whether the forward runs forward_product as a phase of its own. With tile = slices = 1
-// each task does its one dot product inline instead (the kernel's first form, measured
-// in bench/results/gpu.md), where the loads of x and the biases overlap it.
+// each task does its one dot product inline instead (the kernel's first form, measured:
+// bench/results/gpu.md#benchmark), where the loads of x and the biases overlap it.
 template <typename T>
 __host__ __device__ __forceinline__ bool product_phase(const PersistentForward<T>& p) {
   return p.c.precision != kProductT || p.c.tile > 1 || p.c.slices > 1;

@@ -18,22 +18,22 @@ tensor cores where the device has them (compute capability 8.0 and later;
 fusedrnn/gpu/tensorcore.cuh): W_h and the staged operands in half, float32 sums; the
 plan's shared memory then follows tensorcore.cuh's operand layout (mma_forward_operands,
 mma_backward_operands), and `slices` splits each product's k-steps of 16 so the tiles
-fill the block's warps. On by default since they were checked and timed on an H200
-(bench/results/gpu.md, 2026-11-26: with the half GEMMs, 2.2-2.8x the float32 products'
-inference and 4.1-4.3x their training at the design size); FUSEDRNN_GPU_TENSOR_CORES=0
-keeps half data on the float32 products.
+fill the block's warps. On by default since they were checked and timed on an H200 (with
+the half GEMMs, faster than the float32 products in inference and training);
+FUSEDRNN_GPU_TENSOR_CORES=0 keeps half data on the float32 products.
+Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25-2026-11-26
 
 Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
 and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
-in the backward). The plan keeps tile = slices = 1, the form measured in
-bench/results/gpu.md, until the tiled products are measured on a GPU:
+in the backward). The plan keeps tile = slices = 1, the form measured
+(bench/results/gpu.md#benchmark), until the tiled products are measured on a GPU:
 FUSEDRNN_GPU_TILE="R" (slices chosen to fill the block, tile_slices) or "R,S" sets both
 for that measurement (bench/gpu_session.sh tiles).
 
 Why persistent: a persistent layer keeps W_h on chip for the whole sequence and pays one grid
 barrier per step instead of a GEMM and a kernel launch; on an H100 it beat the per-step
 path wherever the plan fit, the one-step decoder (nothing to keep between steps) level.
-The measurement: bench/results/gpu.md, "Persistent where it fits: the measurement".
+Measured: bench/results/gpu.md#persistent-where-it-fits-the-measurement
 """
 from __future__ import annotations
 
