@@ -76,7 +76,8 @@ class TorchHost:
 
     @staticmethod
     def transpose(a, out):
-        """out = a^T (a contiguous copy: numpy's transposing copy of a 26 MB dG took 46 ms)."""
+        """out = a^T, a contiguous copy (numpy's transposing copy is far slower).
+        Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms"""
         torch.from_numpy(out).copy_(torch.from_numpy(a).T)
         return out
 
@@ -335,7 +336,8 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
                                          and kwargs.get("num_layers", 1) > 1):
         # Training mode that autograd will not differentiate (a module left in train()
         # under torch.no_grad) with no dropout to draw: the same results as inference, so
-        # no record is kept (it cost the design-size bf16 LSTM 4-8 ms of its ~100).
+        # no record is kept.
+        # Measured: bench/results/torch-modules.md#training-mode-without-a-gradient
         train = False
     config = dict(mode=kwargs["mode"], state_size=kwargs["state_size"],
                   num_layers=kwargs["num_layers"], bidirectional=kwargs.get("bidirectional", False),

@@ -122,12 +122,11 @@ class _FusedRNNBase(nn.Module):
 
     def flatten_parameters(self):
         """Lay the parameters out again as views of one flat tensor in fusedrnn's layout
-        (torch.nn's call before cuDNN; here it spares an inference call the joining copy:
-        inference through the modules 1.125x faster over a grid, T=1 1.30x; measured:
-        bench/results/torch-modules.md#the-parameters-as-views-of-one-flat-tensor).
+        (torch.nn's call before cuDNN; here it spares an inference call the joining copy).
         Nothing where they differ in dtype or device. The module calls it itself, on
         construction and after _apply (.to(), .half(), .cuda(), ...); where they are laid
-        out already, nothing (torch.nn code calls it before every forward)."""
+        out already, nothing (torch.nn code calls it before every forward).
+        Measured: bench/results/torch-modules.md#the-parameters-as-views-of-one-flat-tensor"""
         if self._flat_weight() is not None:
             return
         views = self.views()
