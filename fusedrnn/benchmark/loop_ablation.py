@@ -14,9 +14,9 @@ FusedLayer.fuses_input; there the loop's products are both, and no_gemm cuts bot
 variant's results are wrong by design: compare times only. Variants:
     base       the kernel as it is
     no_cell    the cell loop runs zero times (the row moves and the GEMMs stay)
-    no_gemm    the recurrent product W_h h is skipped (bfloat16: since 02d5294 its products
-               also bring the biases, so this cuts their adds too; figures before it do not
-               compare)
+    no_gemm    the recurrent product W_h h is skipped (bfloat16: its products also bring the
+               biases, so this cuts their adds too; earlier figures do not compare:
+               bench/results/cpu-kernel-notes.md#bf16-products-that-start-from-the-biases)
     gemm_only  the per-sample part (row moves and cell) is skipped
     no_gemm_no_cell   both of the first two (forward only)
 With --backward: base, no_cell, no_gemm (the product dh_rec = dg @ W_h skipped) and

@@ -43,8 +43,8 @@ def make_kernel(dtype):
 
 
 def calls_per_sample(f, seconds=0.02):
-    """Calls per timed sample, so that one sample lasts ~`seconds`: a single call
-    (~10 us) is below the timer's useful resolution and its noise."""
+    """Calls per timed sample, so that one sample lasts ~`seconds`: a single call is
+    below the timer's useful resolution and its noise."""
     t0, calls = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
         f()

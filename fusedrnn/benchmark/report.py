@@ -71,7 +71,7 @@ def ceiling_lines(ceilings):
 
 def grid_headline(results):
     """Markdown: per mode and kind, the grid's cells, geometric mean, worst and best ratio
-    against torch.nn (the anchor), and how many cells fall below 0.8x; where the strict
+    against torch.nn (the anchor), and how many cells' ratio is below 0.8; where the strict
     peer ran, the geometric mean and worst against torch's default beside."""
     strict = any(STRICT in t for c, t in results if c.group == "grid")
     extra = " geomean x torch default | worst x default |" if strict else ""

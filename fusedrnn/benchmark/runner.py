@@ -2,13 +2,13 @@
 
 A user's loop (training, a decoder, a server) calls the op back to back, so every figure
 is the time of a block of back-to-back calls divided by its calls: a block lasts at least
-`block_s` (50 ms by default), blocks of the peers take turns (A, B, A, B, ...), and a
+`block_s` (BLOCK_S by default), blocks of the peers take turns (A, B, A, B, ...), and a
 case reports the median block with min-max. Nobody pauses before a call.
 
 Each peer runs in a worker process of its own (`python -m fusedrnn.benchmark.worker`),
-because on 2 cores a peer's idle threads tax whoever runs next: OpenBLAS's threads spin
-for about 0.1 s after a call and OpenMP pools spin too. Across processes that spinning
-still overlaps the next turn, so a peer's figure depended on which peers ran before it
+because on 2 cores a peer's idle threads tax whoever runs next: OpenBLAS's threads and
+OpenMP pools spin for a while after a call. Across processes that spinning still overlaps
+the next turn, so a peer's figure depended on which peers ran before it
 (bench/results/cpu.md#peers-do-not-disturb-each-other). So a turn starts only once every
 other worker has gone idle (Pool.wait_quiet: their threads' CPU time stops growing),
 then runs untimed warm-in calls (WARM_S of them, at most a block) that wake its own
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 
 BLOCK_S = 0.05   # a timed block lasts at least this long
-WARM_S = 0.1     # untimed calls at the start of each turn (OpenBLAS spins ~0.1 s)
+WARM_S = 0.1     # untimed calls at the start of each turn (as long as OpenBLAS spins)
 LONG_CALL_S = 1.0  # calls at least this long get no warm-in (see size_block)
 
 
