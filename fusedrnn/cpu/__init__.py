@@ -132,12 +132,13 @@ class CpuBackend:
 
     @staticmethod
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half="bfloat16"):
-        """out = a @ b, or a^T @ b: the op's large GEMMs. a @ b of OWN_GEMM_WORK runs on the
-        micro-kernel where own_gemm; the rest on numpy's BLAS, or in a torch program on
-        torch's GEMM and pool (OpenBLAS's spinning threads took a core from its ops; one
-        thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the micro-kernel after
-        torch's transposing copy. With `pairs` (pair_scratch's uint32s, where pair_products;
-        `half`: bfloat16) on bfloat16 pairs; a_paired: `pairs` still holds a's pairs.
+        """out = a @ b, or a^T @ b: the op's large GEMMs. a @ b of OWN_GEMM_WORK or more
+        multiply-adds runs on the micro-kernel where own_gemm; the rest on numpy's BLAS, or
+        in a torch program on torch's GEMM and pool (OpenBLAS's spinning threads took a core
+        from its ops; one thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the
+        micro-kernel after torch's transposing copy. With `pairs` (pair_scratch's uint32s,
+        where pair_products; `half`: bfloat16) on bfloat16 pairs; a_paired: `pairs` still
+        holds a's pairs.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
         bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":

@@ -20,7 +20,7 @@ from numba.core import caching
 __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)   # fusedrnn/
+_ROOT = os.path.dirname(_HERE)
 # What a cached kernel may compile in: every .py under cpu/, recursively, and config.py
 DEPENDENCIES = tuple(sorted(os.path.join(folder, name)
                             for folder, _, names in os.walk(_HERE) for name in names

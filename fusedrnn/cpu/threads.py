@@ -80,7 +80,7 @@ LAUNCH_LOCK = contextlib.nullcontext() if LAYER in _THREADSAFE else threading.Lo
 # mean workqueue) rather than spinning ones: the serial bounds differ by layer.
 SLEEPING_WORKERS = LAYER not in ("omp", "tbb")
 
-_forked_from_openmp = False   # (module docstring: serial builds only)
+_forked_from_openmp = False
 
 
 def _after_fork_in_child():

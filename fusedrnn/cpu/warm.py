@@ -82,8 +82,7 @@ def marker_dir():
 
 
 class Readiness:
-    """Which kernel sets this process may run fused; starts the background compile of the
-    others. One per process (READY); thread-safe."""
+    """Which kernel sets may run fused, starting the others' compile; READY, thread-safe."""
 
     def __init__(self):
         self._fused = set()          # (config, T == 1, dtype) known fused: a call's one lookup
@@ -103,8 +102,7 @@ class Readiness:
         return True
 
     def ready(self, kernels: KernelSet) -> bool:
-        """Whether an op of `kernels` may run fused now; where not, its background compile
-        is under way (started here the first time)."""
+        """Whether an op of `kernels` may run fused now; else its compile is under way."""
         name = kernels.name
         if name in self._ready:
             return True
@@ -220,8 +218,7 @@ def _replay_calls(kernels, num_layers, bidirectional):
 
 
 def sets_for(modes, dtypes, input_size=16, state_size=16):
-    """Every kernel set of these modes and dtypes: the fused loop, its T=1 form, and for
-    a mode with projection (LSTM) the projected per-step path."""
+    """Every kernel set of these modes and dtypes (the projected form where a mode has it)."""
     from ..config import CELLS
     for mode in modes:
         for dtype in dtypes:

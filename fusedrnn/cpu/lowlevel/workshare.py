@@ -41,8 +41,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def new_counters(steps, workers):
-    """Zeroed counters for one launch: (steps, stride) int64 with every row starting on a
-    64-byte line; stride = the claim counts' lines + one line for the done count."""
+    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines."""
     stride = LINE * (-(-workers // LINE) + 1)
     flat = np.zeros(steps * stride + LINE, np.int64)
     skip = (-flat.ctypes.data % (LINE * 8)) // 8
