@@ -107,8 +107,8 @@ def _weight_rows(w, first, count, wb):
 
 @nb.njit(inline="always", cache=True)
 def _hand_over(tiles, first, N, group, like):
-    """After a pair's product (notes above _make_layer_forward, PAIR_ROWS): the second
-    block's sums, left in group `group` + 1 of the first's tile, moved to its own."""
+    """After a pair's product (note above PAIR_ROWS): the second block's sums, left in
+    group `group` + 1 of the first's tile, moved to its own."""
     row, itemsize = tiles.shape[2], tiles.itemsize
     for n in range(N):
         row_copy(tiles[first + 1].ctypes.data + (n * row + group * PANEL) * itemsize,
@@ -207,7 +207,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                                      PANEL)
                     elif not single_step:
                         if pair == 2 and first + 1 < blocks:
-                            # a pair of one-gate blocks (note above _make_layer_forward)
+                            # a pair of one-gate blocks (note above PAIR_ROWS)
                             panel_gemm(h_prev_addr, H, N, wpack[first, 0].ctypes.data,
                                        H * PANEL, 2,
                                        tiles[first].ctypes.data + _R * PANEL * itemsize, row,
