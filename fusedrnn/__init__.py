@@ -1,10 +1,11 @@
-"""fusedrnn: one fused RNN operator (MXNet `RNN` semantics) for numpy arrays.
+"""fusedrnn: one fused RNN operator (MXNet `RNN` semantics) for numpy arrays, CuPy arrays
+and torch tensors (fusedrnn.torch: autograd and drop-in modules).
 
     out, hy, cy = fusedrnn.RNN(data, params, h0, c0, state_size=H, num_layers=L,
                                mode="lstm", state_outputs=True)
 
-See README.md for training (RNN(..., train=True) + rnn_backward), the parameter
-layout (fusedrnn.param_layout) and the op cache.
+docs/usage.md: the arguments, training (RNN(..., train=True) + rnn_backward) and the op
+cache; docs/parameters.md: the parameter layout (fusedrnn.param_layout).
 """
 from . import op
 from .cache import CacheInfo, cache_info, clear_cache, set_cache_limits

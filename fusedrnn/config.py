@@ -34,7 +34,7 @@ class CellSpec:
     Everything else that depends on the mode (validation, the drivers, the torch
     bindings, the GPU kernel names, the benchmark's torch peer, the tests) reads these
     fields, so a new mode is a row here plus its unit math in cpu/units.py and
-    gpu/cells.cuh and its reference in tests/reference.py (README: "Adding a cell").
+    gpu/cells.cuh and its reference in tests/reference.py (docs/internals.md#adding-a-cell).
 
     gates:        G, the number of H-row gate blocks in W_x / W_h, in this order.
     gate_names:   the G blocks' names, in layout order ([i,f,g,o], [r,z,n], ...).

@@ -3,7 +3,7 @@
 Every mode of the table is known to each place that must know it (the CPU units, the
 CUDA source, the test reference, torch.nn and the drop-in modules, the layout), and no
 other file dispatches on a mode's name: adding a mode touches config.py, cpu/units.py,
-gpu/cells.cuh and tests/reference.py only (README, "Adding a cell").
+gpu/cells.cuh and tests/reference.py only (docs/internals.md#adding-a-cell).
 """
 import re
 from pathlib import Path

@@ -109,13 +109,18 @@ class Readiness:
         with self._lock:
             if name in self._ready:
                 return True
-            if os.path.exists(self.marker(kernels)):
-                self._ready.add(name)
+            try:
+                if os.path.exists(self.marker(kernels)):
+                    self._ready.add(name)
+                    return True
+                child = self._compiling.get(name)
+                if child is None:
+                    self._compiling[name] = self._start(kernels)
+                    return False
+            except (OSError, RuntimeError):   # no cache to fill, or no process to fill it:
+                self._ready.add(name)          # compile here, as without the first tier
                 return True
-            child = self._compiling.get(name)
-            if child is None:
-                self._compiling[name] = self._start(kernels)
-            elif child.poll() is not None:   # it ended without its marker: compile here
+            if child.poll() is not None:   # it ended without its marker: compile here
                 self._ready.add(name)
                 return True
             return False

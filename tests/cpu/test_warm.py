@@ -256,3 +256,21 @@ def test_compile_ahead_leaves_nothing_to_compile(tmp_path):
                               env=dict(env, FUSEDRNN_FIRST_TIER="1"), capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, (program, done.stderr)
+
+
+@pytest.mark.parametrize("failure", ["no cache directory", "no process"])
+def test_without_a_cache_or_a_process_the_op_compiles_here(monkeypatch, failure):
+    """Where Numba has no writable cache directory (so a background compile would fill
+    nothing), or the compile process cannot start: the op runs fused at once."""
+    readiness = warm.Readiness()
+    if failure == "no cache directory":
+        def no_dir():
+            raise RuntimeError("fusedrnn: no writable cache directory for Numba's kernels")
+        monkeypatch.setattr(warm, "marker_dir", no_dir)
+    else:
+        monkeypatch.setattr(readiness, "marker", lambda k: "/nonexistent/marker")
+
+        def no_process(kernels):
+            raise OSError("no python")
+        monkeypatch.setattr(readiness, "_start", no_process)
+    assert readiness.ready(warm.KernelSet("gru", "float32", "loop", 3, 4))
