@@ -197,6 +197,7 @@ def replay(kernels: KernelSet, write_marker=True):
 def _replay_calls(kernels, num_layers, bidirectional):
     import fusedrnn
 
+    from ..config import CELLS
     from .fused import FUSED_INPUT_ROWS
     dtype = _numpy_dtype(kernels.dtype)
     rng = np.random.default_rng(0)
@@ -209,7 +210,7 @@ def _replay_calls(kernels, num_layers, bidirectional):
     params = rng.uniform(-0.3, 0.3, n).astype(dtype)
     T = 1 if kernels.form == "single" else 3
     clip = {"lstm_state_clip_min": -2.0, "lstm_state_clip_max": 2.0} \
-        if kernels.mode == "lstm" else {}
+        if CELLS[kernels.mode].state_clip else {}
     for bound in (-1, 1 << 62):   # every parallel build, then every serial one
         _set_bounds(bound)
         for N in (1, 2, FUSED_INPUT_ROWS):

@@ -21,7 +21,7 @@ from fusedrnn.config import CallOptions, RNNConfig
 from fusedrnn.cpu import BACKEND, FIRST_TIER, warm
 from fusedrnn.recurrence import RecurrentOp
 
-from conftest import MODES, make_case, rel_err, tolerance
+from conftest import CELLS, MODES, make_case, rel_err, tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def test_the_first_tier_computes_what_the_fused_kernels_do(mode, L, D, dtype):
     first tier against the fused path, at the precision's tolerance."""
     case, kw, heads = make_case(mode, T=5, N=3, I=4, H=6, L=L, D=D, dtype=dtype, seed=L + D)
     opts = CallOptions(lengths=np.array([5, 1, 3], np.int64))
-    if mode == "lstm":
+    if CELLS[mode].state_clip:
         opts = CallOptions(lengths=opts.lengths, clip_lo=-0.4, clip_hi=0.3, clip_flags=3)
     for T1 in (False, True):   # the T=1 form too (the fused layer's single step)
         if T1:
