@@ -173,7 +173,7 @@ def loss_reference(data, parameters, state, state_cell, heads, **kwargs):
     """sum(out*dout) + sum(hy*dhy) + sum(cy*dcy), terms with a None head dropped.
     kwargs go to rnn_reference (projection, lengths, clipping, dropout masks...)."""
     outputs = rnn_reference(data, parameters, state, state_cell, **kwargs)
-    return sum(float(np.sum(o * g)) for o, g in zip(outputs, heads, strict=True) if g is not None)
+    return sum(float(np.sum(o * g)) for o, g in zip(outputs, heads) if g is not None)
 
 
 def finite_difference(f, x, eps=1e-6):

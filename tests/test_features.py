@@ -62,7 +62,7 @@ def check_forward(case, kw, feats, masks=None, state_outputs=True, **op_extra):
     ref = rnn_reference(**case, **kw, **ref_args(feats), dropout_masks=masks)
     assert len(outs) == (3 if CELLS[kw["mode"]].has_cell_state and state_outputs else
                          2 if state_outputs else 1)
-    for ours, theirs in zip(outs, ref, strict=True):
+    for ours, theirs in zip(outs, ref):
         assert ours.dtype == dtype
         assert rel_err(ours, theirs) <= tolerance(dtype)
     return outs + [None] * (3 - len(outs))
@@ -145,7 +145,7 @@ def test_lengths_match_torch_packed_sequence(mode, L, D):
     grads = fusedrnn.rnn_backward(handle, **heads)
     module = loaded_module(case["parameters"], mode, I, H, L, D)
     theirs, t_grads = torch_run(module, mode, case, heads, feats["sequence_length"])
-    for ours, t in zip(outs, theirs, strict=True):  # out, hy (and cy)
+    for ours, t in zip(outs, theirs):  # out, hy (and cy)
         assert rel_err(ours, t) <= 1e-10
     for name in ("data", "state", "state_cell"):
         if case[name] is not None:
@@ -185,7 +185,7 @@ def test_projection_matches_torch(L, D):
     grads = fusedrnn.rnn_backward(handle, **heads)
     theirs, t_grads = torch_run(loaded_module(case["parameters"], "lstm", I, H, L, D, P),
                                 "lstm", case, heads)
-    for ours, t in zip(outs, theirs, strict=True):
+    for ours, t in zip(outs, theirs):
         assert rel_err(ours, t) <= 1e-10
     for name in ("data", "state", "state_cell"):
         assert rel_err(getattr(grads, name), t_grads[name]) <= 1e-10, name
@@ -248,7 +248,7 @@ def test_clip_nan(D):
     assert all(np.isfinite(o).all() for o in outs)
     out, hy, cy = fusedrnn.RNN(**case, **kw, **CLIP, state_outputs=True)
     ref = rnn_reference(**case, **kw, **ref_args(CLIP))
-    for ours, theirs in zip((out, hy, cy), ref, strict=True):  # without clip_nan the NaN propagates
+    for ours, theirs in zip((out, hy, cy), ref):  # without clip_nan the NaN propagates
         assert np.array_equal(np.isnan(ours), np.isnan(theirs))
         ok = ~np.isnan(theirs)
         assert rel_err(ours[ok], theirs[ok]) <= 1e-10
@@ -288,7 +288,7 @@ def test_dropout_same_seed_identical_and_no_seed_differs():
                                            train=True, seed=seed)
         return (out, hy, cy) + tuple(fusedrnn.rnn_backward(handle, **heads))
 
-    for a, b in zip(run(3), run(3), strict=True):
+    for a, b in zip(run(3), run(3)):
         assert np.array_equal(a, b)
     assert not np.array_equal(run(None)[0], run(None)[0])
 
@@ -296,10 +296,10 @@ def test_dropout_same_seed_identical_and_no_seed_differs():
 def test_dropout_is_ignored_in_inference_and_p0_training():
     case, kw, _ = make_case("gru", L=3, D=2, seed=6)
     plain = fusedrnn.RNN(**case, **kw, state_outputs=True)
-    for a, b in zip(fusedrnn.RNN(**case, **kw, p=0.5, seed=1, state_outputs=True), plain, strict=True):
+    for a, b in zip(fusedrnn.RNN(**case, **kw, p=0.5, seed=1, state_outputs=True), plain):
         assert np.array_equal(a, b)
     *training, handle = fusedrnn.RNN(**case, **kw, p=0.0, seed=1, state_outputs=True, train=True)
-    for a, b in zip(training, plain, strict=True):
+    for a, b in zip(training, plain):
         assert np.array_equal(a, b)
     handle.release()
 

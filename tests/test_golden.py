@@ -40,7 +40,7 @@ def test_golden(case, dtype):
                                   arrays["dhy"].astype(dtype),
                                   arrays["dcy"].astype(dtype) if lstm else None)
     tol = _tolerance(case, dtype)
-    for name, got in zip(("out", "hy", "cy"), outputs, strict=True):
+    for name, got in zip(("out", "hy", "cy"), outputs):
         assert rel_err(got, arrays[name]) <= tol, name
     expected = {"data": "grad_data", "parameters": "grad_parameters", "state": "grad_state",
                 "state_cell": "grad_state_cell"}

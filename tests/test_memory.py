@@ -289,7 +289,7 @@ def test_many_outstanding_handles_each_own_their_reserve(name):
     for i in order:
         grads = fusedrnn.rnn_backward(handles[i], **cases[i][2])
         serial_outs, serial_grads = serial[i]
-        for ours, theirs in zip(forward_outs[i], serial_outs, strict=True):
+        for ours, theirs in zip(forward_outs[i], serial_outs):
             assert np.array_equal(ours, theirs), i
         for field in ("data", "parameters", "state", "state_cell"):
             ours, theirs = getattr(grads, field), getattr(serial_grads, field)

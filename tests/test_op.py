@@ -63,7 +63,7 @@ def test_backward_is_deterministic(mode):
     g1 = fusedrnn.rnn_backward(h1, **heads)
     *_, h2 = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
     g2 = fusedrnn.rnn_backward(h2, **heads)
-    for a, b in zip(g1, g2, strict=True):  # deterministic: bit-identical on repeat
+    for a, b in zip(g1, g2):  # deterministic: bit-identical on repeat
         assert (a is None and b is None) or np.array_equal(a, b)
 
 
@@ -94,7 +94,7 @@ def test_training_forward_equals_inference(mode):
     case, kw, _ = make_case(mode, L=3, D=2)
     inference = fusedrnn.RNN(**case, **kw, state_outputs=True)
     *training, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
-    for a, b in zip(inference, training, strict=True):
+    for a, b in zip(inference, training):
         assert np.array_equal(a, b)
 
 

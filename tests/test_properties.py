@@ -128,7 +128,7 @@ def check_inference(cfg):
     got = as_tuple(fusedrnn.RNN(**arrays, **op_kw, state_outputs=cfg.state_outputs))
     want = expected_outputs(cfg, rnn_reference(**arrays, **ref_kw))
     assert len(got) == len(want)
-    for name, ours, theirs in zip(("out", "hy", "cy"), got, want, strict=True):
+    for name, ours, theirs in zip(("out", "hy", "cy"), got, want):
         assert ours.dtype == cfg.dtype, name
         assert ours.shape == theirs.shape, name   # (T, N, D*R), (L*D, N, R), (L*D, N, H)
         err = rel_err(ours, theirs)
@@ -170,7 +170,7 @@ def check_training(cfg):
     # reserve instead of scratch: identical bits, not merely close.
     assert isinstance(handle, fusedrnn.TrainingHandle)
     assert len(training) == len(inference)
-    for ours, theirs in zip(training, inference, strict=True):
+    for ours, theirs in zip(training, inference):
         assert np.array_equal(ours, theirs)
 
     rng = np.random.default_rng(cfg.seed + 1)
@@ -203,7 +203,7 @@ def check_training(cfg):
                  for k, v in arrays.items()}
         outputs = rnn_reference(**moved, **ref_kw)
         return sum(float(np.sum(o * h)) for o, h in
-                   zip(outputs, (heads["dout"], heads["dhy"], heads["dcy"]), strict=True) if h is not None)
+                   zip(outputs, (heads["dout"], heads["dhy"], heads["dcy"])) if h is not None)
 
     fd = (loss(+1) - loss(-1)) / (2 * eps)
     terms = [getattr(grads, k) * direction[k] for k in names]

@@ -69,7 +69,7 @@ def test_projection_matches_torch(L, D):
     theirs = run_torch(module, "lstm", case)
     assert ours[0].shape == (T, N, D * P) and ours[1].shape == (L * D, N, P)
     assert ours[2].shape == (L * D, N, H)
-    for a, b in zip(ours, theirs, strict=True):
+    for a, b in zip(ours, theirs):
         assert max_rel(a, b) <= TOL
 
 
@@ -86,7 +86,7 @@ def test_sequence_lengths_match_torch_packed(mode, L, D):
     lengths = np.array(LENGTHS)
     ours = rnn_reference(**case, **kw, sequence_length=lengths)
     theirs = run_torch(module, mode, case, lengths)
-    for a, b in zip(ours, theirs, strict=True):
+    for a, b in zip(ours, theirs):
         assert (a is None and b is None) or max_rel(a, b) <= TOL
     for n, length in enumerate(LENGTHS):  # past its length a sample's output is exactly 0
         assert not ours[0][length:, n].any()
@@ -101,14 +101,14 @@ def test_sequence_lengths_with_projection_match_torch(D):
     ours = rnn_reference(**case, mode="lstm", state_size=H, num_layers=L, bidirectional=D == 2,
                          projection_size=P, sequence_length=lengths)
     theirs = run_torch(module, "lstm", case, lengths)
-    for a, b in zip(ours, theirs, strict=True):
+    for a, b in zip(ours, theirs):
         assert max_rel(a, b) <= TOL
 
 
 def test_full_lengths_equal_no_lengths():
     case, kw, _ = make_case("gru", T=4, N=3, L=2, D=2)
     full = rnn_reference(**case, **kw, sequence_length=np.full(3, 4))
-    for a, b in zip(full, rnn_reference(**case, **kw), strict=True):
+    for a, b in zip(full, rnn_reference(**case, **kw)):
         assert (a is None and b is None) or np.array_equal(a, b)
 
 
@@ -166,7 +166,7 @@ def test_clipping_invariants():
     case, kw, _ = make_case("lstm", T=6, N=3, L=2, D=2, seed=4)
     plain = rnn_reference(**case, **kw)
     wide = rnn_reference(**case, **kw, clip_min=-1e6, clip_max=1e6)
-    for a, b in zip(plain, wide, strict=True):
+    for a, b in zip(plain, wide):
         assert np.array_equal(a, b)
     trace = []
     clipped = rnn_reference(**case, **kw, clip_min=-0.1, clip_max=0.1, trace=trace)

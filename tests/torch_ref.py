@@ -55,7 +55,7 @@ def torch_run(module, mode, case, heads=None, lengths=None):
     grads = None
     if train:
         loss = sum((o * torch.from_numpy(heads[k])).sum()
-                   for o, k in zip(outs, ("dout", "dhy", "dcy"), strict=True)
+                   for o, k in zip(outs, ("dout", "dhy", "dcy"))
                    if o is not None and heads.get(k) is not None)
         loss.backward()
         grads = dict(data=x.grad.numpy(), state=h0.grad.numpy(),

@@ -97,7 +97,7 @@ def test_train_step_and_cases_tables(quick_run):
     assert header[-4:] == ["GFLOP/s", "% of ceiling", "torch GFLOP/s", "torch %"]
     expected = [c for c in _selected() if c.group in ("design-doc", "seq2seq")]
     assert [r[0] for r in body] == [c.name for c in expected]
-    for row, case in zip(body, expected, strict=True):
+    for row, case in zip(body, expected):
         assert all(math.isfinite(x) and x > 0 for x in _numbers(row[2:])), row
         # only the naive loops lack figures: no backward, one layer
         assert ("n/a" in row) == (case.train or case.L > 1)
@@ -107,7 +107,7 @@ def test_train_step_and_cases_tables(quick_run):
 
 def test_json_and_plots(quick_run):
     _, doc, out = quick_run
-    assert doc["grid_axes"] == {k: list(v) for k, v in zip("TNH", case_lib.GRID_QUICK, strict=True)}
+    assert doc["grid_axes"] == {k: list(v) for k, v in zip("TNH", case_lib.GRID_QUICK)}
     assert [c["name"] for c in doc["cases"]] == [c.name for c in _selected()]
     for case in doc["cases"]:
         assert "fusedrnn" in case["seconds"]
@@ -257,7 +257,7 @@ def test_a_turn_waits_for_the_other_workers_to_idle():
 
 
 def test_cpu_grid_is_a_subset_of_the_full_grid():
-    for axis, full, cpu in zip("TNH", case_lib.GRID_FULL, case_lib.GRID_CPU, strict=True):
+    for axis, full, cpu in zip("TNH", case_lib.GRID_FULL, case_lib.GRID_CPU):
         assert set(cpu) <= set(full), axis
     assert set(case_lib.GRID_FULL[1]) < set(case_lib.GRID_GPU[1])  # N=1024 on the GPU
     assert 2048 in case_lib.GRID_GPU[2]

@@ -54,7 +54,7 @@ def test_two_training_forwards_before_backward_both_correct():
     kw_case = [make_case("lstm", L=2, D=2, seed=s) for s in (1, 2)]
     handles = [fusedrnn.RNN(**c, **kw, state_outputs=True, train=True)[-1]
                for c, kw, _ in kw_case]
-    for handle, (case, kw, heads) in zip(reversed(handles), reversed(kw_case), strict=True):
+    for handle, (case, kw, heads) in zip(reversed(handles), reversed(kw_case)):
         grads = fusedrnn.rnn_backward(handle, **heads)
         ref = finite_difference(lambda: loss_reference(**case, heads=list(heads.values()), **kw),  # noqa: B023  (called in this iteration)
                                 case["parameters"])

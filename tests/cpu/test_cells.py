@@ -72,6 +72,6 @@ def test_backward_step_allows_carry_aliasing(mode):
         backward(dy, dh_rec, h_carry, c_carry if lstm else empty, saved, h_prev, c_prev, c_t,
                  dgx, dgh, h_out, c_out if lstm else empty, ALL_ACTIVE, 0, 0.0, 0.0, 0)
         results.append((dgx, dgh, h_out, c_out if lstm else empty))
-    for a, b in zip(*results, strict=True):
+    for a, b in zip(*results):
         assert not np.isnan(a).any()
         assert np.array_equal(a, b)

@@ -70,7 +70,7 @@ def fused_and_generic(monkeypatch, case, kw, heads=None, **options):
 def assert_same(fused, generic, tol):
     """Equal within tol (rel_err), NaN in exactly the same places."""
     assert len(fused) == len(generic)
-    for i, (a, b) in enumerate(zip(fused, generic, strict=True)):
+    for i, (a, b) in enumerate(zip(fused, generic)):
         if b is None:
             assert a is None, i
             continue
@@ -331,7 +331,7 @@ def test_forward_single_writes_exactly_its_direction(build, mode, dtype, d, H, N
 
     f64 = [a.astype(np.float64) for a in (x, w_x, w_h, bx, bh, h0, c0)]
     want_h, want_c = zip(*(reference_cell(mode, f64[0][n], f64[5][n], f64[6][n], *f64[1:5])
-                           for n in range(N)), strict=True)
+                           for n in range(N)))
     mine, nxt = slice(d * H, (d + 1) * H), 1 - first
     assert rel_err(hs[d, nxt], np.array(want_h)) <= TOL[dtype]     # rel_err: NaN fails
     assert rel_err(y[0, :, mine], np.array(want_h)) <= TOL[dtype]
@@ -499,7 +499,7 @@ def test_a_bf16_single_step_reads_the_weights_in_place(monkeypatch, build, mode,
     *training, handle = fusedrnn.RNN(**half, **kw, state_outputs=True, train=True)
     handle.release()
     assert len(inference) == len(training) == (3 if CELLS[mode].has_cell_state else 2)
-    for got, want in zip(inference, training, strict=True):
+    for got, want in zip(inference, training):
         assert not np.isnan(got.astype(np.float32)).any()
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -564,7 +564,7 @@ def test_the_bf16_loops_agree_on_both_builds(monkeypatch, mode, N):
     for bound in (1 << 62, -1):
         monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", bound)
         results.append(_run(case, kw, heads, {}))
-    for i, (serial, parallel) in enumerate(zip(*results, strict=True)):
+    for i, (serial, parallel) in enumerate(zip(*results)):
         if serial is None:
             assert parallel is None, i
             continue

@@ -52,9 +52,9 @@ def test_concurrent_calls_match_serial(monkeypatch):
     assert len(results) == 1600
     for i, (outs, grads) in results.values():
         want_outs, want_grads = serial[i]
-        assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs, strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(outs, want_outs))
         assert all((a is None and b is None) or np.array_equal(a, b)
-                   for a, b in zip(grads, want_grads, strict=True))
+                   for a, b in zip(grads, want_grads))
 
 
 def test_warns_when_numba_threads_started_first_on_a_spinning_layer():
@@ -205,7 +205,7 @@ def two_blas_threads():
     for lib in libs:
         lib.set_num_threads(2)
     yield _blas_threads()
-    for lib, threads_before in zip(libs, before, strict=True):
+    for lib, threads_before in zip(libs, before):
         lib.set_num_threads(threads_before)
 
 
@@ -354,8 +354,8 @@ def test_a_serial_only_process_launches_no_parallel_build(monkeypatch):
         got = run()
     finally:
         cache.clear_cache()   # (no op built on the refusing layers outlives the test)
-    for case_want, case_got in zip(want, got, strict=True):
-        for a, b in zip(case_want, case_got, strict=True):
+    for case_want, case_got in zip(want, got):
+        for a, b in zip(case_want, case_got):
             assert np.abs(a - b).max() <= 2e-6 * np.abs(a).max(), np.abs(a - b).max()
 
 def test_a_forked_child_runs_the_op_as_its_parent_did():

@@ -63,7 +63,7 @@ def test_the_first_tier_computes_what_the_fused_kernels_do(mode, L, D, dtype):
         got = _run(FIRST_TIER, case, kw, heads, dtype, opts)
         want = _run(BACKEND, case, kw, heads, dtype, opts)
         assert len(got) == len(want)
-        for a, b in zip(got, want, strict=True):
+        for a, b in zip(got, want):
             assert rel_err(a, b) <= tolerance(dtype), (T1, rel_err(a, b))
 
 
@@ -79,7 +79,7 @@ def test_the_first_tier_projects_as_the_fused_path_does(dtype):
     opts = CallOptions(lengths=np.array([4, 2, 1], np.int64))
     got = _run(FIRST_TIER, case, kw, heads, dtype, opts, projection_size=P)
     want = _run(BACKEND, case, kw, heads, dtype, opts, projection_size=P)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert rel_err(a, b) <= tolerance(dtype)
 
 
@@ -100,7 +100,7 @@ def test_the_first_tier_in_half_precision(mode, half):
     exact = _run(BACKEND, wide, kw, wide_heads, np.float32, CallOptions())
     fused = _run(BACKEND, narrow, kw, narrow_heads, dtype, CallOptions())
     unit = 2.0 ** -8 if half == "bfloat16" else 2.0 ** -11
-    for a, b, c in zip(got, exact, fused, strict=True):
+    for a, b, c in zip(got, exact, fused):
         assert a.dtype == dtype
         assert rel_err(a, b.astype(dtype)) <= 2 * unit     # rounding of the same values
         assert rel_err(a, c) <= 16 * unit

@@ -278,7 +278,7 @@ def _check(harness, mode, dtype, persistent=None, opts=CallOptions(), L=1, D=1, 
     if projection_size:
         kw = dict(kw, projection_size=projection_size)
     assert len(got) == len(want) == len(names)
-    for name, a, b in zip(names, got, want, strict=True):
+    for name, a, b in zip(names, got, want):
         assert_within(a, b, dtype, longest_product(kw, I), name)
     return backend.half_products
 
@@ -327,7 +327,7 @@ def test_float32_data_stored_as_bfloat16_takes_the_half_gemms(harness, every_pro
     got, want = run_stored_as(backend, case, kw, heads)
     assert {half for _, _, half in backend.half_products} == {"bfloat16"}
     assert len(backend.half_products) == _expected_products(2, 1)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
 
 

@@ -32,7 +32,7 @@ def test_cuda_cells_on_host_equal_cpu_backend(harness, mode, L, D, dtype):
     want = _run(CPU, case, kw, heads, dtype)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
 
 
@@ -61,7 +61,7 @@ def test_cuda_cells_with_lengths_equal_cpu_backend(harness, mode, D, dtype):
     got = _run(HostCudaBackend(harness), case, kw, heads, dtype, LENGTHS)
     want = _run(CPU, case, kw, heads, dtype, LENGTHS)
     tol = 1e-12 if dtype == np.float64 else 1e-5
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
 
 
@@ -77,7 +77,7 @@ def test_cuda_lstm_features_equal_cpu_backend(harness, D, options, projection):
         case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=5, L=2, D=D, seed=4)
     got = _run(HostCudaBackend(harness), case, kw, heads, np.float64, options, projection)
     want = _run(CPU, case, kw, heads, np.float64, options, projection)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert rel_err(a, b) <= 1e-12
 
 
@@ -102,7 +102,7 @@ def test_half_precision_through_the_gpu_backend_equals_cpu_backend(harness, mode
     backend = HostCudaBackend(harness, DeviceLimits(4, 1 << 20) if persistent else None)
     got = _run(backend, case, kw, heads, half)
     want = _run(CPU, case, kw, heads, half)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert a.dtype == half
         a, b = a.astype(np.float64), b.astype(np.float64)
         if dtype == "float16":

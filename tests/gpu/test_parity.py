@@ -75,9 +75,9 @@ def _assert_gpu_equals_cpu(case, kw, heads, dtype):
     gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
     assert all(isinstance(o, cupy.ndarray) for o in gpu_outs)
     tol = 1e-12 if dtype == np.float64 else 1e-5
-    for a, b in zip(gpu_outs, cpu_outs, strict=True):
+    for a, b in zip(gpu_outs, cpu_outs):
         assert rel_err(cupy.asnumpy(a), b) <= tol
-    for a, b in zip(gpu_grads, cpu_grads, strict=True):
+    for a, b in zip(gpu_grads, cpu_grads):
         assert (a is None) == (b is None)
         if a is not None:
             assert rel_err(cupy.asnumpy(a), b) <= tol
@@ -99,7 +99,7 @@ def test_golden_on_gpu(case, persistent, monkeypatch):
     grads = fusedrnn.rnn_backward(handle, cupy.asarray(arrays["dout"]), cupy.asarray(arrays["dhy"]),
                                   cupy.asarray(arrays["dcy"]) if lstm else None)
     tol = 1e-6 if kwargs["mode"] in MXNET_ROUNDS_TO_FLOAT32 else 1e-10  # tests/test_golden.py
-    for name, got in zip(("out", "hy", "cy"), outs, strict=True):
+    for name, got in zip(("out", "hy", "cy"), outs):
         assert rel_err(cupy.asnumpy(got), arrays[name]) <= tol
     for field in ("data", "parameters", "state", "state_cell"):
         if f"grad_{field}" in arrays.files:
@@ -226,7 +226,7 @@ def test_float16_dropout_on_gpu_within_the_half_bound(mode):
     # over 60 of the CPU's draws at this size; the products move it by ~4e-4)
     assert kink_clearance(exact, kw, dropout_masks=masks) >= 2.0 ** -4
     want = rnn_reference(**exact, **kw, dropout_masks=masks)
-    for name, a, b in zip(("out", "hy", "cy"), outs[:-1], want, strict=True):
+    for name, a, b in zip(("out", "hy", "cy"), outs[:-1], want):
         if b is not None:
             assert_within(cupy.asnumpy(a), b, np.float16, longest_product(kw, 5), name)
 
@@ -250,7 +250,7 @@ def test_float16_gpu_equals_cpu(mode, path, monkeypatch):
     heads = {k: None if v is None else v.astype(np.float16) for k, v in heads.items()}
     cpu_outs, cpu_grads = _run(case, kw, heads)
     gpu_outs, gpu_grads = _run(_on_gpu(case), kw, _on_gpu(heads))
-    for a, b in zip([*gpu_outs, *gpu_grads], [*cpu_outs, *cpu_grads], strict=True):
+    for a, b in zip([*gpu_outs, *gpu_grads], [*cpu_outs, *cpu_grads]):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == np.float16
@@ -306,7 +306,7 @@ def _assert_float16_case_within_the_half_bound(case, kw, heads):
     K = longest_product(kw, case["data"].shape[2])
     names = ("out", "hy", "cy")[:len(got_outs)] + ("ddata", "dparameters", "dstate",
                                                    "dstate_cell")
-    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads], strict=True):
+    for name, a, b in zip(names, [*got_outs, *got_grads], [*want_outs, *want_grads]):
         assert (a is None) == (b is None)
         if a is not None:
             assert_within(cupy.asnumpy(a), b, np.float16, K, name)
@@ -379,7 +379,7 @@ def test_persistent_at_the_selection_boundary(persistent_selected, mode):
     """Sizes either side of the rule's edge: the largest persistent one and the first that
     falls back to the per-step path both equal the CPU (float32, N=20)."""
     gates = CELLS[mode].gates
-    for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False), strict=True):
+    for H, expect_persistent in zip(_boundary_sizes(gates, 4, 20), (True, False)):
         persistent_selected.clear()
         case, kw, heads = make_case(mode, T=5, N=20, I=8, H=H, L=1, D=2, dtype=np.float32,
                                     seed=H)

@@ -38,7 +38,7 @@ def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, 
     assert len(backend.launches) == 3 * kw["num_layers"] * (2 if kw["bidirectional"] else 1)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
 
 

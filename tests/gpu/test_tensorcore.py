@@ -57,7 +57,7 @@ def _check(harness, mode, dtype, limits=TWO_SMS, opts=CallOptions(), chunk=None,
     assert len(got) == len(want)
     cell_state = CELLS[mode].has_cell_state
     names = [n for n in NAMES if cell_state or not n.startswith(("cy", "dstate_cell"))]
-    for name, a, b in zip(names, got, want, strict=True):
+    for name, a, b in zip(names, got, want):
         assert_within(a, b, dtype, longest_product(kw, I), name)
     return backend.plans
 
@@ -107,7 +107,7 @@ def test_float32_data_stored_as_bfloat16_takes_the_bfloat16_products(harness, mo
     backend = HostCudaBackend(harness, persistent=TWO_SMS)
     got, want = run_stored_as(backend, case, kw, heads)
     assert {plan.precision for plan in backend.plans} == {"bfloat16"}
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip(got, want):
         assert_within(a.astype(dtype), b, dtype, longest_product(kw, 4), "output or gradient")
 
 

@@ -50,11 +50,11 @@ def test_numpy_call_matches_torch_nn(mode, L, D, dtype):
     else:
         t_out, t_hy = module(x, h0)
         t_outs = (t_out, t_hy)
-    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(t_outs, ("dout", "dhy", "dcy"), strict=True))
+    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(t_outs, ("dout", "dhy", "dcy")))
     loss.backward()
 
     tol = tolerance(dtype)
-    for ours, theirs in zip(outs, t_outs, strict=True):
+    for ours, theirs in zip(outs, t_outs):
         assert rel_err(ours, theirs.detach().numpy()) <= tol
     assert rel_err(grads.data, x.grad.numpy()) <= tol
     assert rel_err(grads.state, h0.grad.numpy()) <= tol
@@ -72,7 +72,7 @@ def test_autograd_matches_torch_nn(mode, L, D):
     t = _tensors(case)
     outs = fusedrnn.RNN(**t, **kw, state_outputs=True)
     assert all(isinstance(o, torch.Tensor) for o in outs)
-    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(outs, ("dout", "dhy", "dcy"), strict=True))
+    loss = sum((o * torch.from_numpy(heads[k])).sum() for o, k in zip(outs, ("dout", "dhy", "dcy")))
     loss.backward()
     module, layout = _torch_module(mode, kw, case["data"].shape[2], case["parameters"])
     x = torch.from_numpy(case["data"]).requires_grad_()
@@ -82,8 +82,8 @@ def test_autograd_matches_torch_nn(mode, L, D):
     ref = module(x, (h0, c0) if has_cell else h0)
     ref_outs = (ref[0], *ref[1]) if has_cell else ref
     sum((o * torch.from_numpy(heads[k])).sum()
-        for o, k in zip(ref_outs, ("dout", "dhy", "dcy"), strict=True)).backward()
-    for ours, theirs in zip(outs, ref_outs, strict=True):
+        for o, k in zip(ref_outs, ("dout", "dhy", "dcy"))).backward()
+    for ours, theirs in zip(outs, ref_outs):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(t["data"].grad, x.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(t["state"].grad, h0.grad, rtol=1e-10, atol=1e-12)
@@ -108,7 +108,7 @@ def test_gradcheck(mode):
     names = [k for k in ("data", "parameters", "state", "state_cell") if t[k] is not None]
 
     def f(*args):
-        return fusedrnn.RNN(**dict(t, **dict(zip(names, args, strict=True))), **kw, state_outputs=True)
+        return fusedrnn.RNN(**dict(t, **dict(zip(names, args))), **kw, state_outputs=True)
     assert torch.autograd.gradcheck(f, tuple(t[k] for k in names), eps=1e-6, atol=1e-8)
 
 
@@ -122,7 +122,7 @@ def test_backward_after_inference_mode_forward(mode):
         out = ft.rnn(**t, **kw, train=train)
         (out * torch.from_numpy(heads["dout"])).sum().backward()
         grads.append([t[k].grad for k in ("data", "parameters", "state")])
-    for a, b in zip(*grads, strict=True):
+    for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 

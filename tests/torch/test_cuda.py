@@ -73,7 +73,7 @@ def test_half_module_on_cuda_equals_the_cpu_module(mode, dtype, tensor_cores, ha
     want = {str(dtype).split(".")[1]} if half_gemms == "1" else set()
     assert set(calls) == want and len(calls) == (2 * (1 + 2 * 2) if want else 0)
     u = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
-    for a, b in zip(outs[1], outs[0], strict=True):
+    for a, b in zip(outs[1], outs[0]):
         assert a.dtype == dtype
         a, b = a.double(), b.double()
         assert (a - b).abs().max() <= 2 * (2 * u + 16 * 32 ** 0.5 * 2.0 ** -24) * b.abs().max()

@@ -69,9 +69,9 @@ def test_module_matches_torch_nn(mode, num_layers, bidirectional, batch_first):
         theirs, ours, lambda: torch.randn(*shape, dtype=torch.float64, requires_grad=True),
         hx, cell=CELLS[mode].has_cell_state)
     close(o2, o1)
-    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,))), strict=True):
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         close(a, b)
-    for a, b in zip(g2, g1, strict=True):
+    for a, b in zip(g2, g1):
         close(a, b)
     close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
@@ -87,7 +87,7 @@ def test_packed_sequence_input(mode, bidirectional):
         return pack_padded_sequence(x, lengths, enforce_sorted=False)
     (o1, s1, _), (o2, s2, _) = run_both(theirs, ours, packed, cell=CELLS[mode].has_cell_state)
     close(o2, o1)
-    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,))), strict=True):
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         close(a, b)
     close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
@@ -101,7 +101,7 @@ def test_lstm_projection(bidirectional):
         theirs, ours, lambda: torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True),
         ((2 * D, 3, 2), (2 * D, 3, 6)), cell=True)
     close(o2, o1)
-    for a, b in zip(list(s2) + g2, list(s1) + g1, strict=True):
+    for a, b in zip(list(s2) + g2, list(s1) + g1):
         close(a, b)
     close(flat_grad(ours), torch.from_numpy(weight_grads(theirs, ours)))
 
@@ -155,7 +155,7 @@ def test_sequence_classifier_trains_like_torch_nn():
             losses.append(loss.item())
         curves.append(losses)
     assert curves[0][-1] < 0.95 * curves[0][0]  # it learns
-    for a, b in zip(*curves, strict=True):
+    for a, b in zip(*curves):
         assert abs(a - b) <= 1e-9 * max(1.0, abs(a))
 
 
@@ -190,7 +190,7 @@ def test_flat_weight_checkpoints_of_earlier_versions_still_load():
     _, ours = pair("lstm", input_size=3, hidden_size=4, num_layers=2)
     fresh = ft.LSTM(3, 4, num_layers=2).double()
     fresh.load_state_dict({"weight": ours.weight.detach().clone()})
-    for (name, a), (_, b) in zip(fresh.named_parameters(), ours.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(fresh.named_parameters(), ours.named_parameters()):
         assert torch.equal(a, b), name
     with pytest.raises(RuntimeError, match="expected shape"):
         fresh.load_state_dict({"weight": torch.zeros(5, dtype=torch.float64)})
@@ -251,7 +251,7 @@ def test_unbatched_input_as_torch_nn(mode, batch_first):
     (o1, s1), (o2, s2) = results["torch.nn"], results["fusedrnn"]
     assert o2.shape == o1.shape == (5, 8)
     close(o2, o1)
-    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,))), strict=True):
+    for a, b in zip(*((s2, s1) if CELLS[mode].has_cell_state else ((s2,), (s1,)))):
         assert a.shape == b.shape == (4, 4)
         close(a, b)
     close(mods["fusedrnn"](x)[0], mods["torch.nn"](x)[0])   # no hx
@@ -301,9 +301,9 @@ def test_flatten_parameters_and_all_weights_as_torch_nn(mode):
         m.flatten_parameters()
     theirs, ours = (mods[k].all_weights for k in ("torch.nn", "fusedrnn"))
     assert len(ours) == len(theirs) == 4
-    for a_layer, b_layer in zip(ours, theirs, strict=True):
+    for a_layer, b_layer in zip(ours, theirs):
         assert len(a_layer) == len(b_layer)
-        for a, b in zip(a_layer, b_layer, strict=True):
+        for a, b in zip(a_layer, b_layer):
             close(a, b)
     # the module's own parameters: a change through one is seen by the module
     with torch.no_grad():

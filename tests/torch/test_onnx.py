@@ -81,7 +81,7 @@ def assert_rnn_nodes(model_bytes, op_type, num_layers, directions):
 
 
 def assert_close(got, expected):
-    for g, e in zip(got, expected, strict=True):
+    for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e.detach().numpy(), rtol=0, atol=ATOL)
 
 
@@ -129,7 +129,7 @@ def check_module(mode, num_layers, bidirectional, batch_first, states, exporter)
     run = session(model)
     for seed, (t, n) in enumerate(OTHER_SIZES, start=2):
         args = inputs(t, n, seed)
-        got = run.run(out_names, {name: a.numpy() for name, a in zip(["x", *state_names], args, strict=True)})
+        got = run.run(out_names, {name: a.numpy() for name, a in zip(["x", *state_names], args)})
         with torch.no_grad():
             assert_close(got, call(theirs, args))
 
@@ -214,7 +214,7 @@ def test_model_mixing_torch_layers_and_an_lstm_exports(exporter):
     run = session(model)
     for seed, (t, n) in enumerate(OTHER_SIZES, start=2):
         args = inputs(t, n, seed)
-        got = run.run(outs, {k: a.numpy() for k, a in zip(names, args, strict=True)})
+        got = run.run(outs, {k: a.numpy() for k, a in zip(names, args)})
         with torch.no_grad():
             assert_close(got, theirs(*args))
 

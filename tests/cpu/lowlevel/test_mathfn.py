@@ -175,7 +175,7 @@ def test_select_is_the_conditional_expression(dtype):
     cond = rng.random(64) < 0.5
     out = np.full(64, 7.0, dtype)
     _select_all(cond, a, b, out)
-    want = np.array([x if c else y for c, x, y in zip(cond, a, b, strict=True)], dtype)
+    want = np.array([x if c else y for c, x, y in zip(cond, a, b)], dtype)
     np.testing.assert_array_equal(out, want)   # NaN == NaN here
 
 
