@@ -51,8 +51,8 @@ def demo(args) -> int:
 
 
 def _compile(args):
-    from .cpu import warm
-    return warm.main(args)
+    from . import precompile
+    return precompile.main(args)
 
 
 def main(argv=None) -> int:

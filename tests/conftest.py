@@ -123,3 +123,60 @@ def lowlevel_builds(request, monkeypatch):
     monkeypatch.setattr(gemm, "SERIAL_WORK", limit)
     monkeypatch.setattr(packing, "SERIAL_ELEMENTS", limit)
     return request.param
+
+
+# ---- the two tiers --------------------------------------------------------------------
+# The quick tier (the README's command: pyproject's addopts deselect `exhaustive`) keeps,
+# of every test with more than QUICK_CASES parametrized cases, the cases in collection
+# order that each bring a parameter value not seen before: every mode, dtype, layer count,
+# direction, build and feature still runs at small sizes, once per test rather than in
+# every combination. The rest, and the tests in EXHAUSTIVE_ONLY, are marked exhaustive
+# (.ci/run runs them after the quick tier).
+QUICK_CASES = 4
+# Whole tests that cost minutes and check no behaviour the quick tier misses: Numba's IR
+# and machine code of fresh compiles (vector code, no spills, parallel loops), the
+# benchmark CLI's end-to-end runs, and stress runs.
+EXHAUSTIVE_ONLY = {
+    "tests/cpu/lowlevel/test_microkernel.py::test_tile_loop_reloads_nothing_from_the_stack",
+    "tests/cpu/test_parallel_regions.py::test_every_prange_is_a_parallel_loop",
+    "tests/cpu/test_vectorised_cells.py::test_cell_loop_is_vectorised",
+    "tests/cpu/test_fused.py::test_the_cached_prange_body_spills_no_more_than_the_first",
+    "tests/cpu/lowlevel/test_workshare.py::test_more_workers_than_threads_neither_hangs_"
+    "nor_changes_results",
+    "tests/benchmark/test_cli.py::test_header_names_the_machine_and_its_ceilings",
+    "tests/benchmark/test_cli.py::test_grid_headline_and_cells",
+    "tests/benchmark/test_cli.py::test_train_step_and_cases_tables",
+    "tests/benchmark/test_cli.py::test_json_and_plots",
+    "tests/benchmark/test_cli.py::test_bfloat16_grid_cells_against_torch_bfloat16",
+    "tests/benchmark/test_cli.py::test_a_peers_figure_does_not_depend_on_which_peers_ran",
+}
+
+
+def _value_key(value):
+    """A parameter value as something hashable (arrays and dicts by their repr)."""
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+@pytest.hookimpl(tryfirst=True)   # before the mark plugin deselects by marker
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    groups = {}
+    for item in items:
+        name = f"{item.path.relative_to(root).as_posix()}::{item.originalname}"
+        if name in EXHAUSTIVE_ONLY:
+            item.add_marker(pytest.mark.exhaustive)
+        elif hasattr(item, "callspec") and not item.get_closest_marker("exhaustive"):
+            groups.setdefault(name, []).append(item)
+    for group in groups.values():
+        if len(group) <= QUICK_CASES:
+            continue
+        seen = set()
+        for item in group:
+            values = {(k, _value_key(v)) for k, v in item.callspec.params.items()}
+            if values <= seen:
+                item.add_marker(pytest.mark.exhaustive)
+            seen |= values

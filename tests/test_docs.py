@@ -401,8 +401,10 @@ def test_links_point_to_files_and_headings():
 def test_changelog_has_the_version():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
-    assert fusedrnn.__version__ == version
+    # the version is written once, in fusedrnn/__init__.py: pyproject reads it from there
+    assert re.search(r'^dynamic = \["version"\]', pyproject, re.M)
+    assert 'version = { attr = "fusedrnn.__version__" }' in pyproject
+    version = fusedrnn.__version__
     assert f"## [{version}]" in changelog and "## [Unreleased]" in changelog
 
 

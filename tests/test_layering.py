@@ -16,7 +16,7 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fusedrnn"
 
 # The intended layering, bottom up: config (cell table, options, flags) <- layout <-
-# validate <- recurrence <- backends (cpu/, gpu/) <- op <- torch/; inside cpu/, lowlevel/
+# validate <- recurrence <- backends (cpu/, gpu/) <- op <- torch/, precompile; inside cpu/, lowlevel/
 # (the kernels' building blocks) under the rest. A module under a key (the key itself or
 # its submodules) imports only modules under the names listed; the longest key decides.
 # The facade (fusedrnn/__init__.py), __main__ and benchmark/ sit on top: no rule but no
@@ -33,6 +33,8 @@ LAYERS = {
     "fusedrnn.gpu": CORE + ("fusedrnn.gpu",),
     "fusedrnn.op": CORE + ("fusedrnn.cache", "fusedrnn.cpu", "fusedrnn.gpu"),
     "fusedrnn.torch": CORE + ("fusedrnn.op", "fusedrnn.torch"),
+    # drives the op to compile the CPU's kernels (cpu/warm.py starts it as a process)
+    "fusedrnn.precompile": CORE + ("fusedrnn.op", "fusedrnn.cpu"),
 }
 
 

@@ -1,16 +1,7 @@
-"""When the CPU's fused kernels are ready, and getting them ready without a stall.
-
-Numba compiles the fused kernels on first call (seconds each) into its disk cache
-(jitcache.py). So that a first call does not wait, an op whose kernels are not cached runs
-on the first tier (firsttier.py: numpy) while a background process compiles them by
-replaying calls of its kind; `python -m fusedrnn compile` does it ahead of time.
-
-The unit is a kernel set: what one op can launch, given by its mode, its data's dtype and
-its form (the fused loop, its T=1 form, or a projected LSTM's per-step path; sizes only
-pick between two builds, and the replay compiles both). A set is ready when its marker
-file exists beside the cache, stamped with what the cache's freshness depends on
-(jitcache's digest, Numba's and llvmlite's versions, the CPU).
-
+"""When the CPU's fused kernels are ready. Until then an op runs on the first tier
+(firsttier.py) while a background process (../precompile.py) compiles its kernel set: its
+mode, dtype and form (the loop, T=1, or a projected LSTM's step path). A set is ready when
+its marker exists beside Numba's cache, stamped with what the cache's freshness depends on.
 FUSEDRNN_FIRST_TIER=0 turns the first tier off: ops compile on first use, in process.
 """
 from __future__ import annotations
@@ -21,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -32,8 +22,7 @@ FORMS = ("loop", "single", "projected")
 
 @dataclass(frozen=True)
 class KernelSet:
-    """What one op of this kind can launch (module docstring), and the shape of the calls
-    that replay it (the op's own layer sizes: the kernels' array layouts follow them)."""
+    """A kernel set, with the op's layer sizes for its replay (array layouts follow them)."""
     mode: str
     dtype: str
     form: str
@@ -131,14 +120,14 @@ class Readiness:
         return os.path.join(self._dir, f"{kernels.name}-{self._stamp}")
 
     def _start(self, kernels):
-        """`python -m fusedrnn.cpu.warm SPEC` for `kernels`, a process at a lower priority,
+        """`python -m fusedrnn.precompile SPEC` for `kernels`, a process at a lower priority,
         its output in a log beside the markers."""
         os.makedirs(self._dir, exist_ok=True)
         log = open(os.path.join(self._dir, f"{kernels.name}.log"), "w")   # noqa: SIM115
         env = dict(os.environ, **{ENV: "0"})
         try:
             return subprocess.Popen(
-                [sys.executable, "-m", "fusedrnn.cpu.warm", json.dumps(asdict(kernels))],
+                [sys.executable, "-m", "fusedrnn.precompile", json.dumps(asdict(kernels))],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True, preexec_fn=_lower_priority)
         finally:
@@ -154,74 +143,6 @@ def _lower_priority():
 
 READY = Readiness()
 
-# The serial/parallel bounds (fused.py, lowlevel): the replay sets them each way in turn.
-_BOUNDS = (("fused", ("SERIAL_WORK", "SERIAL_LOOP_WORK", "SERIAL_LOOP_BYTES",
-                      "SERIAL_POINTWISE")),
-           ("lowlevel.gemm", ("SERIAL_WORK",)), ("lowlevel.packing", ("SERIAL_ELEMENTS",)))
-
-
-_SHIPPED = {}
-
-
-def _set_bounds(value):
-    """Every bound to `value`; None: back to what the modules shipped with."""
-    import importlib
-    for module, names in _BOUNDS:
-        module = importlib.import_module(f"fusedrnn.cpu.{module}")
-        for name in names:
-            _SHIPPED.setdefault((module.__name__, name), getattr(module, name))
-            setattr(module, name, _SHIPPED[module.__name__, name] if value is None else value)
-
-
-def replay(kernels: KernelSet, write_marker=True):
-    """Compile every kernel an op of `kernels` can launch into the disk cache (inference,
-    training, lengths and clipping, a few batch sizes, each build, its own layers and two
-    bidirectional ones, whose buffer views other stacks share); then mark it ready."""
-    from ..config import PRECISIONS
-    from . import _own_product
-    from .fused import own_gemm
-    for layers, bidirectional in {(kernels.num_layers, kernels.bidirectional), (2, True)}:
-        _replay_calls(kernels, layers, bidirectional)
-    compute = PRECISIONS[kernels.dtype].compute
-    if own_gemm(compute):   # the large products' own GEMM (CpuBackend.matmul)
-        a, b = np.random.default_rng(1).standard_normal((2, 8, 8)).astype(compute)
-        _own_product(a, b, np.empty((8, 8), compute))
-    if write_marker:
-        path = READY.marker(kernels)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(asdict(kernels), f)
-        os.replace(path + ".tmp", path)
-
-
-def _replay_calls(kernels, num_layers, bidirectional):
-    import fusedrnn
-
-    from ..config import CELLS
-    from .fused import FUSED_INPUT_ROWS
-    dtype = _numpy_dtype(kernels.dtype)
-    rng = np.random.default_rng(0)
-    kw = dict(mode=kernels.mode, state_size=kernels.state_size, num_layers=num_layers,
-              bidirectional=bidirectional,
-              projection_size=kernels.projection_size, state_outputs=True)
-    n = fusedrnn.param_size(input_size=kernels.input_size, **{
-        k: kw[k] for k in ("mode", "state_size", "num_layers", "bidirectional",
-                           "projection_size")})
-    params = rng.uniform(-0.3, 0.3, n).astype(dtype)
-    T = 1 if kernels.form == "single" else 3
-    clip = {"lstm_state_clip_min": -2.0, "lstm_state_clip_max": 2.0} \
-        if CELLS[kernels.mode].state_clip else {}
-    for bound in (-1, 1 << 62):   # every parallel build, then every serial one
-        _set_bounds(bound)
-        for N in (1, 2, FUSED_INPUT_ROWS):
-            x = rng.standard_normal((T, N, kernels.input_size)).astype(dtype)
-            lengths = np.maximum(1, T - np.arange(N) % T).astype(np.int64)
-            for extra in ({}, dict(sequence_length=lengths, use_sequence_length=True, **clip)):
-                fusedrnn.RNN(x, params, **kw, **extra)
-                out, *_, handle = fusedrnn.RNN(x, params, **kw, **extra, train=True)
-                fusedrnn.rnn_backward(handle, np.ones_like(out))
-    _set_bounds(None)
-
 
 def sets_for(modes, dtypes, input_size=16, state_size=16):
     """Every kernel set of these modes and dtypes (the projected form where a mode has it)."""
@@ -236,60 +157,10 @@ def sets_for(modes, dtypes, input_size=16, state_size=16):
                                 else None)
 
 
-def compile_ahead(sets, jobs, force=False, say=print):
-    """Replay each kernel set in a process of its own, `jobs` at a time (marked sets are
-    skipped unless `force`). Returns the names of those that failed."""
-    pending = [k for k in sets if force or not os.path.exists(READY.marker(k))]
-    for k in sets:
-        if k not in pending:
-            say(f"  {k.name}: ready")
-    running, failed = {}, []
-    env = dict(os.environ, **{ENV: "0"})
-    while pending or running:
-        while pending and len(running) < jobs:
-            k = pending.pop(0)
-            running[k] = subprocess.Popen(
-                [sys.executable, "-m", "fusedrnn.cpu.warm", json.dumps(asdict(k))],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for k, child in list(running.items()):
-            if child.poll() is None:
-                continue
-            del running[k]
-            if child.returncode:
-                failed.append(k.name)
-                say(f"  {k.name}: FAILED\n{child.stdout.read()}")
-            else:
-                say(f"  {k.name}: compiled")
-        time.sleep(0.05)
-    return failed
-
-
-def main(args):
-    """`python -m fusedrnn compile`: the CPU kernels into Numba's disk cache, ahead."""
-    from ..config import MODES, PRECISIONS
-    modes = MODES if args.modes == "all" else tuple(args.modes.split(","))
-    dtypes = tuple(args.dtypes.split(","))
-    unknown = sorted(set(modes) - set(MODES)) + sorted(set(dtypes) - set(PRECISIONS))
-    if unknown:
-        print(f"compile: unknown modes or dtypes {unknown}; modes: {', '.join(MODES)}, "
-              f"dtypes: {', '.join(PRECISIONS)}", file=sys.stderr)
-        return 2
-    sets = list(sets_for(modes, dtypes))
-    print(f"fusedrnn compile: {len(sets)} kernel sets into {marker_dir()}, {args.jobs} at a "
-          f"time")
-    start = time.perf_counter()
-    failed = compile_ahead(sets, args.jobs, args.force)
-    print(f"done in {time.perf_counter() - start:.0f} s" +
-          (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
-
-
-def _numpy_dtype(name):
+def numpy_dtype(name):
+    """numpy's dtype of this name (bfloat16: ml_dtypes')."""
     if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
-
-if __name__ == "__main__":   # the background compile (Readiness._start)
-    replay(KernelSet(**json.loads(sys.argv[1])))
