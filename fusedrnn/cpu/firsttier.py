@@ -1,9 +1,6 @@
-"""The CPU's first tier: an op that needs no compilation, for the calls that come before
-the fused kernels are ready (warm.py decides when).
-
-The per-step path (recurrence.StepDriver) on numpy's BLAS, its cell math units.py's own
-source run with numpy helpers over whole (N, H) blocks (cells.py's contract): a mode's
-formulas live in one place. Results match the fused tier within test_precision's bounds.
+"""The CPU's first tier, for calls before the fused kernels are ready (warm.py): the
+per-step path on numpy's BLAS, the cell math units.py's own source run with numpy helpers
+over whole (N, H) blocks (cells.py's contract), so a mode's formulas live in one place.
 """
 from __future__ import annotations
 
@@ -163,8 +160,8 @@ class FirstTierBackend:
 
     @staticmethod
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half=None):
-        """out = a @ b, or a^T @ b, on numpy's BLAS (in a torch program too: torch's
-        thread pool would spin against the background compile as two BLAS threads do)."""
+        """out = a @ b, or a^T @ b, on numpy's BLAS (in a torch program too: its pool would
+        spin against the background compile)."""
         return np.matmul(a.T if transpose_a else a, b, out=out)
 
     @staticmethod
