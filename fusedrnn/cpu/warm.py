@@ -106,8 +106,8 @@ class Readiness:
                 if child is None:
                     self._compiling[name] = self._start(kernels)
                     return False
-            except (OSError, RuntimeError):   # no cache to fill, or no process to fill it:
-                self._ready.add(name)          # compile here, as without the first tier
+            except (OSError, RuntimeError):   # no cache or no process: compile here
+                self._ready.add(name)
                 return True
             if child.poll() is not None:   # it ended without its marker: compile here
                 self._ready.add(name)
@@ -120,10 +120,9 @@ class Readiness:
         return os.path.join(self._dir, f"{kernels.name}-{self._stamp}")
 
     def _start(self, kernels):
-        """`python -m fusedrnn.precompile SPEC` for `kernels`, a process at a lower priority,
-        its output in a log beside the markers."""
+        """`python -m fusedrnn.precompile SPEC`, niced, its log beside the markers."""
         os.makedirs(self._dir, exist_ok=True)
-        log = open(os.path.join(self._dir, f"{kernels.name}.log"), "w")   # noqa: SIM115
+        log = open(os.path.join(self._dir, f"{kernels.name}.log"), "w")
         env = dict(os.environ, **{ENV: "0"})
         try:
             return subprocess.Popen(
