@@ -130,9 +130,13 @@ def lowlevel_builds(request, monkeypatch):
 # of every test with more than QUICK_CASES parametrized cases, the cases in collection
 # order that each bring a parameter value not seen before: every mode, dtype, layer count,
 # direction, build and feature still runs at small sizes, once per test rather than in
-# every combination. The rest, and the tests in EXHAUSTIVE_ONLY, are marked exhaustive
-# (.ci/run runs them after the quick tier).
+# every combination. Its kernels are compiled once per (mode, dtype, build) and a fresh
+# clone compiles every one it touches, so the quick tier's cases keep to QUICK_KERNELS:
+# every mode in float32 (and float16, which runs float32's kernels) on the parallel build,
+# and one mode each for float64, bfloat16 and the serial builds. The rest, and the tests
+# in EXHAUSTIVE_ONLY, are marked exhaustive (.ci/run runs them after the quick tier).
 QUICK_CASES = 4
+QUICK_KERNELS = {"float64": "lstm", "bfloat16": "gru", "serial": "gru"}
 # Whole tests that cost minutes and check no behaviour the quick tier misses: Numba's IR
 # and machine code of fresh compiles (vector code, no spills, parallel loops), the
 # benchmark CLI's end-to-end runs, and stress runs.
@@ -161,6 +165,25 @@ def _value_key(value):
         return repr(value)
 
 
+def _dtype_name(value):
+    try:
+        return np.dtype(value).name
+    except TypeError:
+        return str(value)
+
+
+def _quick_kernels(params):
+    """Whether a case's (mode, dtype, build) keeps to QUICK_KERNELS."""
+    mode = params.get("mode")
+    dtype = next((_dtype_name(params[k]) for k in ("dtype", "half", "storage") if k in params),
+                 None)
+    serial = any(v == "serial" for v in params.values() if isinstance(v, str))
+    for kind in (dtype, "serial" if serial else None):
+        if kind in QUICK_KERNELS and mode not in (None, QUICK_KERNELS[kind]):
+            return False
+    return True
+
+
 @pytest.hookimpl(tryfirst=True)   # before the mark plugin deselects by marker
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
@@ -170,7 +193,10 @@ def pytest_collection_modifyitems(config, items):
         if name in EXHAUSTIVE_ONLY:
             item.add_marker(pytest.mark.exhaustive)
         elif hasattr(item, "callspec") and not item.get_closest_marker("exhaustive"):
-            groups.setdefault(name, []).append(item)
+            if _quick_kernels(item.callspec.params):
+                groups.setdefault(name, []).append(item)
+            else:
+                item.add_marker(pytest.mark.exhaustive)
     for group in groups.values():
         if len(group) <= QUICK_CASES:
             continue
