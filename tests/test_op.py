@@ -123,6 +123,33 @@ def test_strided_and_negative_stride_inputs_are_read_correctly():
     assert np.array_equal(fusedrnn.RNN(**strided, **kw), expected)
 
 
+@pytest.mark.parametrize("T, projection", [(4, None), (1, None), (4, 3), (1, 3)])
+def test_read_only_inputs_give_the_results_of_writable_ones(T, projection):
+    """Read-only arrays (a memory map, np.frombuffer): every input, on the fused loop, its
+    T=1 form and the projected per-step path, training included. The per-step kernels'
+    signatures once refused the read-only biases with a TypeError."""
+    case, kw, heads = make_case("lstm", T=T, N=3, I=5, H=6, L=2, D=2, seed=11)
+    if projection:
+        rng = np.random.default_rng(12)
+        case["parameters"] = rng.uniform(-0.4, 0.4, fusedrnn.param_size(
+            input_size=5, projection_size=projection, **kw))
+        case["state"] = case["state"][..., :projection].copy()
+        heads["dout"] = heads["dout"][..., :2 * projection].copy()
+    lengths = np.array([T, 1, max(1, T - 1)], np.int64)
+    extra = dict(projection_size=projection, sequence_length=lengths,
+                 use_sequence_length=True, state_outputs=True)
+    expected = fusedrnn.RNN(**case, **kw, **extra, train=True)
+    expected_grads = fusedrnn.rnn_backward(expected[-1], heads["dout"])
+    fixed = {k: v.copy() for k, v in case.items() if v is not None}
+    for array in (*fixed.values(), lengths):
+        array.setflags(write=False)
+    extra["sequence_length"] = lengths
+    got = fusedrnn.RNN(**fixed, **kw, **extra, train=True)
+    grads = fusedrnn.rnn_backward(got[-1], heads["dout"])
+    for a, b in zip((*got[:-1], *grads), (*expected[:-1], *expected_grads)):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("stored_as", ["bfloat16", "float16", "float32", 3])
 def test_stored_as_is_refused_outside_cupy_float32_data(stored_as):
     """op.RNN's private _stored_as (torch's CUDA bfloat16 arriving as float32) applies to

@@ -182,18 +182,25 @@ _compiled: dict = {}
 _compile_lock = threading.Lock()
 
 
-def _signature(dtype, ndims):
+def _signature(dtype, arrays):
+    """arrays: (ndim, read only) of each array argument. An argument the kernel only reads
+    takes read-only arrays too (a user's read-only parameters' biases, lengths): Numba
+    types those apart and a writable-only signature would refuse them."""
     scalar = nb.from_dtype(np.dtype(dtype))
-    arrays = (nb.types.Array(scalar, nd, "A") for nd in ndims)
+    typed = (nb.types.Array(scalar, nd, "A", readonly=read) for nd, read in arrays)
     # lengths, t, clip_lo, clip_hi, clip_flags
-    tail = (nb.types.Array(nb.int64, 1, "A"), nb.int64, nb.float64, nb.float64, nb.int64)
-    return nb.void(*arrays, *tail)
+    tail = (nb.types.Array(nb.int64, 1, "A", readonly=True), nb.int64, nb.float64,
+            nb.float64, nb.int64)
+    return nb.void(*typed, *tail)
 
 
 # Compiled on first use for arrays of any layout ("A"): one specialisation serves buffers
 # and strided views alike, at most 2 kernels per (mode, dtype).
-_FORWARD_NDIMS = (2, 2, 1, 1, 2, 2, 2, 2, 2, 2)
-_BACKWARD_NDIMS = (2,) * 12
+_FORWARD_ARRAYS = ((2, True), (2, True), (1, True), (1, True), (2, True), (2, True),
+                   (2, False), (2, False), (2, False), (2, False))
+# (the carries in may alias the carries out: writable)
+_BACKWARD_ARRAYS = ((2, True), (2, True), (2, False), (2, False), (2, True), (2, True),
+                    (2, True), (2, True), (2, False), (2, False), (2, False), (2, False))
 
 
 def _guarded(kernel, python_function):
@@ -230,9 +237,9 @@ def cell_kernels(mode: str, dtype):
                                                spec.split_gate_grads)
                 options = dict(parallel=True, **KERNEL_OPTIONS)
                 kernels = (
-                    _guarded(nb.njit(_signature(dtype, _FORWARD_NDIMS), **options)(forward),
+                    _guarded(nb.njit(_signature(dtype, _FORWARD_ARRAYS), **options)(forward),
                              forward),
-                    _guarded(nb.njit(_signature(dtype, _BACKWARD_NDIMS), **options)(backward),
+                    _guarded(nb.njit(_signature(dtype, _BACKWARD_ARRAYS), **options)(backward),
                              backward))
                 _compiled[key] = kernels
     return kernels
