@@ -8,6 +8,8 @@ would load stale machine code, silently wrong until someone clears __pycache__.
 So our cache locators come first in Numba's list for this package's kernels: the cache
 where Numba's own would put it, its stamp extended by a digest of every file in
 DEPENDENCIES and the micro-kernel's settings. A user's NUMBA_CACHE_LOCATOR_CLASSES stays.
+Saves into this package's caches hold a file lock: Numba's read-modify-write of an index
+could give two processes' kernels (two modes of one closure) the same data file.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ import hashlib
 import os
 
 from numba.core import caching
+
+try:
+    import fcntl
+except ImportError:   # (no POSIX locks: saves as Numba makes them)
+    fcntl = None
 
 __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
 
@@ -81,9 +88,28 @@ LOCATORS = tuple(_ours(_numba_name(name)) for name in
                  ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"))
 
 
+def _locked(save):
+    @functools.wraps(save)
+    def locked_save(self, key, data):
+        if fcntl is None or _HERE.lstrip(os.sep) not in self._cache_path:
+            return save(self, key, data)
+        with open(self._index_path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return save(self, key, data)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    locked_save.fusedrnn_locked = True
+    return locked_save
+
+
 def install():
-    """Put LOCATORS first in Numba's list (once). Must run before any kernel of this
-    package is decorated with cache=True: Numba picks a kernel's locator then."""
+    """Put LOCATORS first in Numba's list, and lock this package's saves (once). Must run
+    before any kernel of this package is decorated with cache=True: Numba picks a kernel's
+    locator then."""
     classes = _numba_name("CacheImpl")._locator_classes
     if classes[:len(LOCATORS)] != list(LOCATORS):
         classes[:0] = LOCATORS
+    save = caching.IndexDataCacheFile.save
+    if not getattr(save, "fusedrnn_locked", False):
+        caching.IndexDataCacheFile.save = _locked(save)

@@ -13,6 +13,8 @@ import fusedrnn
 from fusedrnn.cpu import cells, fused, jitcache
 from fusedrnn.cpu.lowlevel import gemm, microkernel, packing
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def test_locators_come_first_and_install_is_idempotent():
     from numba.core import caching
@@ -101,3 +103,33 @@ def test_an_edit_to_an_inlined_file_retires_the_cache(tmp_path):
         f.write("\n# an edit that Numba's own stamp of packing.py would not see\n")
     assert hits_and_misses() == (0, 1)       # retired, compiled again
     assert hits_and_misses() == (1, 0)
+
+
+_SAVER = """
+import sys
+from numba.core import caching
+import fusedrnn.cpu  # noqa: F401  (installs the locked save)
+path, who = sys.argv[1], sys.argv[2]
+cache = caching.IndexDataCacheFile(path, "kernel", "stamp")
+for i in range(150):
+    cache.save(f"{who}-{i}", f"{who}-{i}")
+"""
+
+
+def test_concurrent_saves_into_our_cache_keep_every_kernel_apart(tmp_path):
+    """Two processes saving kernels of one function (two modes of a closure, say) into one
+    index at once: each key still loads its own data. Numba's read-modify-write of the
+    index would give both the same data file now and then; this package's saves lock."""
+    from numba.core import caching
+
+    from fusedrnn.cpu import jitcache
+    path = tmp_path / jitcache._HERE.lstrip(os.sep) / "__pycache__"   # (counts as ours)
+    path.mkdir(parents=True)
+    savers = [subprocess.Popen([sys.executable, "-c", _SAVER, str(path), who],
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+              for who in ("a", "b")]
+    assert [s.wait(timeout=120) for s in savers] == [0, 0]
+    cache = caching.IndexDataCacheFile(str(path), "kernel", "stamp")
+    wrong = [k for who in ("a", "b") for k in (f"{who}-{i}" for i in range(150))
+             if cache.load(k) != k]
+    assert not wrong, wrong[:5]
