@@ -21,9 +21,9 @@ CLIP, CLIP_NAN = 1, 2  # clip_flags bits, as the kernels read them
 
 # None, or while fusedrnn.torch calls the op, torch's own operations on numpy arrays, run
 # on torch's thread pool: an object with matmul(a, b, out, transpose_a) (out = a @ b, or
-# a^T @ b) and transpose(a, out) (out = a^T). The program's other work is torch's, so the
-# CPU backend runs its GEMMs there too (CpuBackend.matmul) and keeps numpy's BLAS threads
-# off torch's cores (cpu/threads.py).
+# a^T @ b), transpose(a, out) (out = a^T) and deterministic() (torch's deterministic-algorithms
+# switch). The program's other work is torch's, so the CPU backend runs its GEMMs there too
+# (CpuBackend.matmul) and keeps numpy's BLAS threads off torch's cores (cpu/threads.py).
 TORCH_CALLER = contextvars.ContextVar("fusedrnn_torch_caller", default=None)
 
 

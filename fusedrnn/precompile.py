@@ -9,11 +9,13 @@ module as a process of its own (`python -m fusedrnn.precompile SPEC`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -22,6 +24,7 @@ import numpy as np
 from .config import CELLS, MODES, PRECISIONS
 from .cpu import _own_product, warm
 from .cpu.fused import FUSED_INPUT_ROWS, own_gemm
+from .cpu.warm import fcntl
 from .layout import param_size
 from .op import RNN, rnn_backward
 
@@ -43,22 +46,23 @@ def _set_bounds(value):
             setattr(module, name, _SHIPPED[module.__name__, name] if value is None else value)
 
 
-def replay(kernels: warm.KernelSet, write_marker=True):
+def replay(kernels: warm.KernelSet):
     """Compile every kernel an op of `kernels` can launch into the disk cache (inference,
-    training, lengths and clipping, a few batch sizes, each build, its own layers and two
-    bidirectional ones, whose buffer views other stacks share); then mark it ready."""
-    for layers, bidirectional in {(kernels.num_layers, kernels.bidirectional), (2, True)}:
-        _replay_calls(kernels, layers, bidirectional)
-    compute = PRECISIONS[kernels.dtype].compute
-    if own_gemm(compute):   # the large products' own GEMM (CpuBackend.matmul)
-        a, b = np.random.default_rng(1).standard_normal((2, 8, 8)).astype(compute)
-        _own_product(a, b, np.empty((8, 8), compute))
-    if write_marker:
-        path = warm.READY.marker(kernels)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(asdict(kernels), f)
-        os.replace(path + ".tmp", path)
+    training, lengths and clipping, read-only inputs, a few batch sizes, each build, its
+    own layers and two bidirectional ones, whose buffer views other stacks share)."""
+    _set_bounds(None)   # (what the modules shipped with, recorded before any change)
+    try:
+        for bound in (-1, 1 << 62):   # every parallel build, then every serial one
+            _set_bounds(bound)
+            for layers, bidirectional in {(kernels.num_layers, kernels.bidirectional),
+                                          (2, True)}:
+                _replay_calls(kernels, layers, bidirectional)
+            compute = PRECISIONS[kernels.dtype].compute
+            if own_gemm(compute):   # the large products' own GEMM (CpuBackend.matmul)
+                a, b = np.random.default_rng(1).standard_normal((2, 8, 8)).astype(compute)
+                _own_product(a, b, np.empty((8, 8), compute))
+    finally:
+        _set_bounds(None)
 
 
 def _replay_calls(kernels, num_layers, bidirectional):
@@ -74,43 +78,79 @@ def _replay_calls(kernels, num_layers, bidirectional):
     T = 1 if kernels.form == "single" else 3
     clip = {"lstm_state_clip_min": -2.0, "lstm_state_clip_max": 2.0} \
         if CELLS[kernels.mode].state_clip else {}
-    for bound in (-1, 1 << 62):   # every parallel build, then every serial one
-        _set_bounds(bound)
-        for N in (1, 2, FUSED_INPUT_ROWS):
-            x = rng.standard_normal((T, N, kernels.input_size)).astype(dtype)
-            lengths = np.maximum(1, T - np.arange(N) % T).astype(np.int64)
-            for extra in ({}, dict(sequence_length=lengths, use_sequence_length=True, **clip)):
-                RNN(x, params, **kw, **extra)
-                out, *_, handle = RNN(x, params, **kw, **extra, train=True)
-                rnn_backward(handle, np.ones_like(out))
-    _set_bounds(None)
+    for N in (1, 2, FUSED_INPUT_ROWS):
+        x = rng.standard_normal((T, N, kernels.input_size)).astype(dtype)
+        lengths = np.maximum(1, T - np.arange(N) % T).astype(np.int64)
+        for extra in ({}, dict(sequence_length=lengths, use_sequence_length=True, **clip)):
+            RNN(x, params, **kw, **extra)
+            out, *_, handle = RNN(x, params, **kw, **extra, train=True)
+            rnn_backward(handle, np.ones_like(out))
+    x.setflags(write=False)   # read-only arrays (a memory map, np.frombuffer) type apart
+    fixed = params.copy()
+    fixed.setflags(write=False)
+    out, *_, handle = RNN(x, fixed, **kw, train=True)
+    rnn_backward(handle, np.ones_like(out))
+
+
+def mark_ready(kernels):
+    path = warm.READY.marker(kernels)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(asdict(kernels), f)
+    os.replace(temporary, path)
+
+
+def compile_set(kernels):
+    """The background compile of one set (warm.Readiness starts it as a process): at a
+    lower priority than the program that waits, under the set's lock (one compile of a set
+    at a time, every process); nothing to do where another has marked it meanwhile."""
+    try:
+        os.nice(5)
+    except OSError:
+        pass
+    marker = warm.READY.marker(kernels)
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    with open(marker + ".lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(marker):
+            replay(kernels)
+            mark_ready(kernels)
 
 
 def compile_ahead(sets, jobs, force=False, say=print):
-    """Replay each kernel set in a process of its own, `jobs` at a time (marked sets are
-    skipped unless `force`). Returns the names of those that failed."""
+    """Each kernel set compiled in a process of its own, `jobs` at a time (sets already
+    marked are skipped unless `force`). Returns the names of those that failed."""
     pending = [k for k in sets if force or not os.path.exists(warm.READY.marker(k))]
     for k in sets:
         if k not in pending:
             say(f"  {k.name}: ready")
+    if force:
+        for k in pending:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(warm.READY.marker(k))
     running, failed = {}, []
     env = dict(os.environ, **{warm.ENV: "0"})
-    while pending or running:
-        while pending and len(running) < jobs:
-            k = pending.pop(0)
-            running[k] = subprocess.Popen(
-                [sys.executable, "-m", "fusedrnn.precompile", json.dumps(asdict(k))],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for k, child in list(running.items()):
-            if child.poll() is None:
-                continue
-            del running[k]
-            if child.returncode:
-                failed.append(k.name)
-                say(f"  {k.name}: FAILED\n{child.stdout.read()}")
-            else:
-                say(f"  {k.name}: compiled")
-        time.sleep(0.05)
+    with tempfile.TemporaryDirectory() as logs:
+        while pending or running:
+            while pending and len(running) < jobs:
+                k = pending.pop(0)
+                log = open(os.path.join(logs, k.name), "w+")
+                running[k] = (subprocess.Popen(
+                    [sys.executable, "-m", "fusedrnn.precompile", json.dumps(asdict(k))],
+                    stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            for k, (child, log) in list(running.items()):
+                if child.poll() is None:
+                    continue
+                del running[k]
+                if child.returncode:
+                    failed.append(k.name)
+                    log.seek(0)
+                    say(f"  {k.name}: FAILED\n{log.read()}")
+                else:
+                    say(f"  {k.name}: compiled")
+                log.close()
+            time.sleep(0.05)
     return failed
 
 
@@ -118,14 +158,18 @@ def main(args):
     """`python -m fusedrnn compile`: the CPU kernels into Numba's disk cache, ahead."""
     modes = MODES if args.modes == "all" else tuple(args.modes.split(","))
     dtypes = tuple(args.dtypes.split(","))
-    unknown = sorted(set(modes) - set(MODES)) + sorted(set(dtypes) - set(PRECISIONS))
-    if unknown:
-        print(f"compile: unknown modes or dtypes {unknown}; modes: {', '.join(MODES)}, "
-              f"dtypes: {', '.join(PRECISIONS)}", file=sys.stderr)
+    for name, given, known in (("--modes", modes, MODES), ("--dtypes", dtypes, PRECISIONS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            print(f"compile: {name}: expected some of {', '.join(known)}, got {unknown}",
+                  file=sys.stderr)
+            return 2
+    if args.jobs < 1:
+        print(f"compile: --jobs: expected a positive count, got {args.jobs}", file=sys.stderr)
         return 2
     sets = list(warm.sets_for(modes, dtypes))
-    print(f"fusedrnn compile: {len(sets)} kernel sets into {warm.marker_dir()}, {args.jobs} at a "
-          f"time")
+    print(f"fusedrnn compile: {len(sets)} kernel sets into {warm.marker_dir()}, {args.jobs} at "
+          f"a time")
     start = time.perf_counter()
     failed = compile_ahead(sets, args.jobs, args.force)
     print(f"done in {time.perf_counter() - start:.0f} s" +
@@ -133,7 +177,5 @@ def main(args):
     return 1 if failed else 0
 
 
-
-
-if __name__ == "__main__":   # the background compile (warm.Readiness._start)
-    replay(warm.KernelSet(**json.loads(sys.argv[1])))
+if __name__ == "__main__":   # one set's background compile (warm.Readiness._start)
+    compile_set(warm.KernelSet(**json.loads(sys.argv[1])))

@@ -55,8 +55,7 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
         assert out.shape == (2, 1, 4) and np.isfinite(out).all()
         print("ok", fusedrnn.cache_info().backends)
         from fusedrnn.cpu import warm   # (a user's would go on filling the cache)
-        for child in warm.READY._compiling.values():
-            child.kill()
+        warm.READY.stop()
     """)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FUSEDRNN_FIRST_TIER")}

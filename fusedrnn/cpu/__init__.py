@@ -87,7 +87,9 @@ class CpuBackend:
     def for_call(self, config, seq_len, dtype):
         """The backend an op of this kind runs on now: this one where its fused kernels are
         ready, else the first tier while they compile (warm.py)."""
-        return self if warm.READY.fused(config, seq_len, dtype) else FIRST_TIER
+        host = TORCH_CALLER.get()   # (a torch program that asked for deterministic results
+        deterministic = host is not None and host.deterministic()   # gets them from call 1)
+        return self if warm.READY.fused(config, seq_len, dtype, deterministic) else FIRST_TIER
 
     @staticmethod
     def cell_kernels(mode, dtype):

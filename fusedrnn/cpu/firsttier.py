@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import CELLS
 from . import units
-from .threads import BLAS_ONE_THREAD_ALWAYS
+from .threads import BLAS_SPARE_ONE
 
 __all__ = ["cell_kernels", "FirstTierBackend"]
 
@@ -153,10 +153,10 @@ class FirstTierBackend:
 
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
-        """One BLAS thread in every program: the other core is the background compile's
-        (two threads, one descheduled in turn, waited for each other at every GEMM).
+        """BLAS one thread short in every program: a core for the background compile (two
+        threads on two cores, one descheduled in turn, waited for each other at every GEMM).
         Measured: bench/results/cpu-kernel-notes.md#first-use-where-the-compile-goes"""
-        return BLAS_ONE_THREAD_ALWAYS
+        return BLAS_SPARE_ONE
 
     @staticmethod
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half=None):

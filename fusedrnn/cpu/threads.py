@@ -134,8 +134,9 @@ class BlasOneThread:
     and a second thread's change was not always honoured).
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
 
-    def __init__(self, always=False):
+    def __init__(self, always=False, spare_one=False):
         self._always = always   # cap in a numpy program's calls too
+        self._spare_one = spare_one   # cap at one thread fewer than BLAS has, not at one
         self._entered = []   # the main thread's nested entries: whether each capped
         self._libs, self._saved = None, []
 
@@ -150,7 +151,7 @@ class BlasOneThread:
             self._saved = [lib.num_threads for lib in self._libs]
             for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
-                    lib.set_num_threads(1)
+                    lib.set_num_threads(max(1, threads - 1) if self._spare_one else 1)
         self._entered.append(cap)
         return self
 
@@ -169,3 +170,5 @@ BLAS_ONE_THREAD = BlasOneThread()
 # small products, whose spinning workers slowed the GEMMs after them: capped everywhere.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-openblas-spinning-in-a-numpy-program
 BLAS_ONE_THREAD_ALWAYS = BlasOneThread(always=True)
+# The first tier's GEMMs leave one core to the background compile (firsttier.py).
+BLAS_SPARE_ONE = BlasOneThread(always=True, spare_one=True)

@@ -12,9 +12,15 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:   # (no POSIX locks: no cross-process coordination)
+    fcntl = None
 
 ENV = "FUSEDRNN_FIRST_TIER"
 FORMS = ("loop", "single", "projected")
@@ -45,18 +51,21 @@ class KernelSet:
 
 
 def enabled(environ=os.environ):
-    return environ.get(ENV, "1") != "0"
+    """Not FUSEDRNN_FIRST_TIER=0, nor a frozen program (no `-m fusedrnn.precompile`)."""
+    return environ.get(ENV, "1") != "0" and not getattr(sys, "frozen", False)
 
 
 def stamp():
-    """What a cached kernel's freshness depends on, as a short digest."""
+    """A digest of what a cached kernel's freshness depends on (Numba's stamps included)."""
     import llvmlite
     import numba
     from llvmlite import binding
 
     from . import jitcache
-    parts = (jitcache.dependency_digest(), jitcache._tile_settings(), numba.__version__,
-             llvmlite.__version__, binding.get_host_cpu_name(), binding.get_host_cpu_features())
+    stats = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in jitcache.DEPENDENCIES)
+    parts = (jitcache.dependency_digest(), stats, jitcache._tile_settings(), numba.__version__,
+             llvmlite.__version__, sys.implementation.cache_tag, binding.get_host_cpu_name(),
+             binding.get_host_cpu_features())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
@@ -70,22 +79,52 @@ def marker_dir():
     raise RuntimeError("fusedrnn: no writable cache directory for Numba's kernels")
 
 
+def compiling_elsewhere(marker):
+    """Whether some process holds the set's lock (its compile is under way)."""
+    if fcntl is None or not os.path.exists(marker + ".lock"):
+        return False
+    with open(marker + ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
+# A compile that has not finished by then (a starved or stuck process) leaves its ops to
+# compile in their own process.
+GIVE_UP_S = 600.0
+
+
 class Readiness:
-    """Which kernel sets may run fused, starting the others' compile; READY, thread-safe."""
+    """Which sets may run fused; starts the others' compile, one per set across processes."""
 
     def __init__(self):
         self._fused = set()          # (config, T == 1, dtype) known fused: a call's one lookup
         self._ready = set()          # kernel-set names known to be in the cache
-        self._compiling = {}         # name -> Popen of its background compile
+        self._waiting = {}           # name -> (our Popen or None, when we began waiting)
         self._lock = threading.Lock()
         self._stamp = self._dir = None
 
-    def fused(self, config, seq_len, dtype) -> bool:
-        """Whether an op of (config, seq_len, dtype) runs fused now (ready, below)."""
+    def stop(self):
+        """Ends this process's compiles (a benchmark's or a test's, which leave none behind)."""
+        for child, _ in self._waiting.values():
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait()
+
+    def forget_children(self):
+        """In a forked child: the parent's processes and lock are not this process's."""
+        self._waiting, self._lock = {}, threading.Lock()
+
+    def fused(self, config, seq_len, dtype, deterministic=False) -> bool:
+        """Whether such an op runs fused now (ready); a deterministic program's always does."""
         key = (config, seq_len == 1, dtype)
         if key in self._fused:
             return True
-        if enabled() and not self.ready(KernelSet.of(config, seq_len, dtype)):
+        if enabled() and not deterministic and not self.ready(
+                KernelSet.of(config, seq_len, dtype)):
             return False
         self._fused.add(key)
         return True
@@ -99,20 +138,28 @@ class Readiness:
             if name in self._ready:
                 return True
             try:
-                if os.path.exists(self.marker(kernels)):
-                    self._ready.add(name)
-                    return True
-                child = self._compiling.get(name)
-                if child is None:
-                    self._compiling[name] = self._start(kernels)
+                marker = self.marker(kernels)
+                if os.path.exists(marker):
+                    return self._done(name)
+                child, since = self._waiting.get(name, (None, None))
+                if since is None:
+                    child = None if compiling_elsewhere(marker) else self._start(kernels)
+                    self._waiting[name] = (child, time.monotonic())
                     return False
             except (OSError, RuntimeError):   # no cache or no process: compile here
-                self._ready.add(name)
-                return True
-            if child.poll() is not None:   # it ended without its marker: compile here
-                self._ready.add(name)
-                return True
+                return self._done(name)
+            ended = child.poll() is not None if child is not None else \
+                not compiling_elsewhere(marker)
+            if ended or time.monotonic() - since > GIVE_UP_S:   # without its marker
+                return self._done(name)
             return False
+
+    def _done(self, name):
+        child, _ = self._waiting.pop(name, (None, None))
+        if child is not None:
+            child.poll()   # (reaped if it has ended)
+        self._ready.add(name)
+        return True
 
     def marker(self, kernels):
         if self._stamp is None:
@@ -120,7 +167,7 @@ class Readiness:
         return os.path.join(self._dir, f"{kernels.name}-{self._stamp}")
 
     def _start(self, kernels):
-        """`python -m fusedrnn.precompile SPEC`, niced, its log beside the markers."""
+        """`python -m fusedrnn.precompile SPEC`, which lowers its priority; a log beside."""
         os.makedirs(self._dir, exist_ok=True)
         log = open(os.path.join(self._dir, f"{kernels.name}.log"), "w")
         env = dict(os.environ, **{ENV: "0"})
@@ -128,19 +175,13 @@ class Readiness:
             return subprocess.Popen(
                 [sys.executable, "-m", "fusedrnn.precompile", json.dumps(asdict(kernels))],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_lower_priority)
+                start_new_session=True)
         finally:
             log.close()
 
 
-def _lower_priority():
-    try:
-        os.nice(5)
-    except OSError:
-        pass
-
-
 READY = Readiness()
+os.register_at_fork(after_in_child=READY.forget_children)
 
 
 def sets_for(modes, dtypes, input_size=16, state_size=16):

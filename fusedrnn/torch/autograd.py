@@ -75,6 +75,12 @@ class TorchHost:
         return out
 
     @staticmethod
+    def deterministic():
+        """torch.use_deterministic_algorithms(True): the op's results must not depend on
+        when its CPU kernels finish compiling (no first tier: fusedrnn/cpu/warm.py)."""
+        return torch.are_deterministic_algorithms_enabled()
+
+    @staticmethod
     def transpose(a, out):
         """out = a^T, a contiguous copy (numpy's transposing copy is far slower).
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms"""

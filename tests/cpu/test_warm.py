@@ -113,6 +113,27 @@ def test_the_tier_follows_the_switch(monkeypatch):
     assert BACKEND.for_call(cfg, 5, np.dtype(np.float32)) is BACKEND
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_deterministic_torch_program_runs_fused_from_its_first_call(monkeypatch,
+                                                                       deterministic):
+    """torch.use_deterministic_algorithms(True) (what TORCH_CALLER's deterministic() reads):
+    no first tier, whose switch's timing would change results between runs."""
+    from types import SimpleNamespace
+
+    from fusedrnn.config import TORCH_CALLER
+    monkeypatch.setenv(warm.ENV, "1")
+    readiness = warm.Readiness()
+    monkeypatch.setattr(readiness, "ready", lambda kernels: False)   # (still compiling)
+    monkeypatch.setattr(warm, "READY", readiness)
+    cfg = RNNConfig(mode="gru", input_size=3, state_size=4, num_layers=1, bidirectional=False)
+    token = TORCH_CALLER.set(SimpleNamespace(deterministic=lambda: deterministic))
+    try:
+        got = BACKEND.for_call(cfg, 5, np.dtype(np.float32))
+    finally:
+        TORCH_CALLER.reset(token)
+    assert got is (BACKEND if deterministic else FIRST_TIER)
+
+
 def test_kernel_sets_by_form():
     cfg = RNNConfig(mode="lstm", input_size=3, state_size=4, num_layers=2, bidirectional=True)
     assert warm.KernelSet.of(cfg, 7, np.dtype(np.float32)).name == "lstm-float32-loop"
@@ -135,14 +156,14 @@ def test_a_background_compile_that_fails_leaves_the_op_to_compile_here(monkeypat
         [sys.executable, "-c", "raise SystemExit(3)"]))
     kernels = warm.KernelSet("gru", "float32", "loop", 3, 4)
     assert not readiness.ready(kernels)          # started
-    readiness._compiling[kernels.name].wait()
+    readiness._waiting[kernels.name][0].wait()
     assert readiness.ready(kernels)              # ended without a marker
 
 
 def test_compile_refuses_unknown_modes():
     done = subprocess.run([sys.executable, "-m", "fusedrnn", "compile", "--modes", "nope"],
                           capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 2 and "unknown modes or dtypes ['nope']" in done.stderr
+    assert done.returncode == 2 and "--modes: expected some of" in done.stderr
 
 
 # A fresh process: which tier each call ran (the op cache's backends), and whether Numba
@@ -176,8 +197,7 @@ _FIRST_USE = textwrap.dedent("""
                       agree=max(float(np.abs(a - b).max()) for a, b in zip(first, later)))
     else:   # (a user's would go on filling the cache after the program ends)
         from fusedrnn.cpu import warm
-        for child in warm.READY._compiling.values():
-            child.kill()
+        warm.READY.stop()
     print(json.dumps(report))
 """)
 
@@ -274,3 +294,46 @@ def test_without_a_cache_or_a_process_the_op_compiles_here(monkeypatch, failure)
             raise OSError("no python")
         monkeypatch.setattr(readiness, "_start", no_process)
     assert readiness.ready(warm.KernelSet("gru", "float32", "loop", 3, 4))
+
+
+_HOLDER = """
+import fcntl, sys, time
+lock = open(sys.argv[1] + ".lock", "a")
+fcntl.flock(lock, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_process_waits_for_the_compile_its_parent_started(monkeypatch, tmp_path):
+    """The set's compile holds its lock: a process forked from the program (a DataLoader
+    worker, a Pool) sees it under way and stays on the first tier, not compiling the set
+    again itself; once it ends without a marker, the op compiles in the caller."""
+    marker = str(tmp_path / "set-marker")
+    readiness = warm.Readiness()
+    monkeypatch.setattr(readiness, "marker", lambda k: marker)
+    holder = []
+
+    def start(kernels):
+        holder.append(subprocess.Popen([sys.executable, "-c", _HOLDER, marker],
+                                       stdout=subprocess.PIPE, text=True))
+        assert holder[0].stdout.readline() == "held\n"
+        return holder[0]
+    monkeypatch.setattr(readiness, "_start", start)
+    kernels = warm.KernelSet("gru", "float32", "loop", 3, 4)
+    try:
+        assert not readiness.ready(kernels)            # started, in the parent
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the forked child: the parent's compile is not its own child
+            readiness.forget_children()
+            answers = [readiness.ready(kernels), readiness.ready(kernels)]
+            os.write(write, json.dumps(answers).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert json.loads(os.read(read, 100)) == [False, False]
+    finally:
+        for p in holder:
+            p.kill()
+            p.wait()
+    assert readiness.ready(kernels)   # ended without its marker: compile here
