@@ -5,7 +5,7 @@ from pathlib import Path
 
 # The suite checks the fused kernels: every op compiles them in the test's own process, as
 # before the first tier (fusedrnn/cpu/warm.py). tests/cpu/test_warm.py turns it back on.
-os.environ.setdefault("FUSEDRNN_FIRST_TIER", "0")
+os.environ["FUSEDRNN_FIRST_TIER"] = "0"
 
 import numpy as np
 import pytest

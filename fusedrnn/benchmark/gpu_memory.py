@@ -83,6 +83,9 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if 0 < args.steps < 10:
+        parser.error(f"--steps: expected 0 or at least 10 (it compares step 10 with the "
+                     f"last), got {args.steps}")
     if args.one:
         peer, mode, batch, train, steps = args.one
         print(json.dumps(_one(peer, mode, int(batch), train == "train", int(steps))))

@@ -108,9 +108,9 @@ def torch_peer(inputs, device, strict=False):
     """torch.nn's module on `device`; strict: with cuDNN's TF32 off in this (the peer's
     own) process, set before the first call."""
     import torch
-    if strict:
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+    if strict:   # (the flag sets cuDNN's fp32 precision to IEEE for its RNNs and convs
+        torch.backends.cudnn.allow_tf32 = False   # alike; the per-op setting alone would
+        torch.backends.cuda.matmul.allow_tf32 = False   # leave the flag unreadable)
     c = inputs.case
     dtype = getattr(torch, inputs.host["data"].dtype.name)   # the peers' dtype
     module = torch_module(c.mode, c.I, c.H, num_layers=c.L, bidirectional=c.bidirectional)

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from .runner import _child_env
+
 
 def seconds_per_call(call, warmup=2, blocks=5, per_block=3, sync=None):
     """Median over `blocks` blocks of `per_block` back-to-back calls, after `warmup`.
@@ -35,6 +37,6 @@ def alternate(module, variants, rounds, *args):
     for _ in range(rounds):
         for v in variants:
             out = subprocess.run([sys.executable, "-m", module, "--one", *args, v], check=True,
-                                 capture_output=True, text=True).stdout
+                                 capture_output=True, text=True, env=_child_env()).stdout
             times[v].append(float(out.split()[-1]))
     return times

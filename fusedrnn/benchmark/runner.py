@@ -111,12 +111,10 @@ class Worker:
 
     def __init__(self, peer, device, kind):
         self.peer, self.kind = peer, kind
-        # The loop's steady state is the fused kernels': the worker compiles them on its
-        # warm-up call, not behind a first tier (first use is the cold group's to time).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fusedrnn.benchmark.worker", peer, device, kind],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            env=dict(_child_env(), FUSEDRNN_FIRST_TIER="0"))
+            env=_child_env())
 
     def ask(self, **message):
         self.proc.stdin.write(json.dumps(message) + "\n")
@@ -143,12 +141,14 @@ def cpu_ns(pid):
     """CPU time so far of every thread of process `pid` (ns; Linux's schedstat), or None
     where the system does not tell."""
     total = 0
-    try:
-        for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
             with open(path) as f:
                 total += int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+        except FileNotFoundError:   # a thread that ended meanwhile
+            continue
+        except (OSError, ValueError, IndexError):
+            return None
     return total if total else None
 
 
@@ -239,10 +239,18 @@ def ceilings(pool, peer):
         pool.workers.pop((peer, "ceiling")).close()
 
 
-def _child_env():
+def _child_env(first_tier=False):
+    """A benchmark process's environment: this checkout first on its path; the fused
+    kernels from its warm-up call (a loop's steady state), not behind the first tier
+    (cpu/warm.py), unless `first_tier` (first use, as users get it)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
+    if first_tier:
+        env.pop("FUSEDRNN_FIRST_TIER", None)
+    else:
+        env["FUSEDRNN_FIRST_TIER"] = "0"
+    return env
 
 
 COLD_SCRIPT = """
@@ -261,6 +269,7 @@ t3 = time.perf_counter()
 {train}
 {sync}
 t4 = time.perf_counter()
+{after}
 print(json.dumps(dict(import_s=t1 - t0, infer_s=t3 - t2, train_s=t4 - t3)))
 """
 
@@ -274,26 +283,31 @@ _COLD = {
         infer="fusedrnn.RNN(x, p, **kw)",
         train="out, handle = fusedrnn.RNN(x, p, **kw, train=True)\n"
               "fusedrnn.rnn_backward(handle, xp.ones_like(out))",
-        sync="{cupy_sync}"),
+        sync="{cupy_sync}",
+        # (a user's background compile goes on; the next fresh process must not share
+        # the cores with it)
+        after="{stop_compiles}"),
     "torch": dict(
         imports="import torch\nfrom fusedrnn.benchmark.peers import torch_module",
         setup="m = torch_module('{mode}', {I}, {H}).to('{torch_device}', torch.{dtype})\n"
               "x = torch.from_numpy(x).to('{torch_device}')",
         infer="with torch.no_grad(): m(x)",
         train="m(x)[0].sum().backward()",
-        sync="{torch_sync}"),
+        sync="{torch_sync}", after=""),
 }
 
 
 def cold_start(case, device, dtype, repeats, peers):
     """{peer: [import + first inference + first training step, s], "PEER import": [...],
-    "PEER infer": [...], "PEER train": [...]}, each run in a fresh process. An "empty"
-    case gives each process a new, empty kernel cache (NUMBA_CACHE_DIR); a "warm" one
-    fills the cache in an untimed process first."""
+    "PEER infer": [...], "PEER train": [...]}, each run in a fresh process, as a user's
+    first process runs (the CPU's first tier on). An "empty" case gives each process a
+    new, empty kernel cache (NUMBA_CACHE_DIR); a "warm" one first fills the cache, untimed,
+    with what the background compile would leave there for this kind of op."""
     gpu = device == "gpu"
     fill = dict(arrays="import cupy as xp" if gpu else "xp = np",
                 cupy_sync="xp.cuda.runtime.deviceSynchronize()" if gpu else "",
                 torch_sync="torch.cuda.synchronize()" if gpu else "",
+                stop_compiles="" if gpu else "from fusedrnn.cpu import warm\nwarm.READY.stop()",
                 mode=case.mode, I=case.I, H=case.H, T=case.T, N=case.N, dtype=dtype,
                 torch_device="cuda" if gpu else "cpu")
     results = {}
@@ -301,8 +315,13 @@ def cold_start(case, device, dtype, repeats, peers):
         parts = {k: v.format(**fill) for k, v in _COLD[peer].items()}
         script = COLD_SCRIPT.format(**dict(fill, **parts))
         runs = []
+        if case.cache == "warm" and peer == "fusedrnn" and not gpu:
+            kernels = {"mode": case.mode, "dtype": dtype, "form": "single" if case.T == 1
+                       else "loop", "input_size": case.I, "state_size": case.H}
+            subprocess.run([sys.executable, "-m", "fusedrnn.precompile", json.dumps(kernels)],
+                           check=True, capture_output=True, env=_child_env())
         for i in range(repeats + (case.cache == "warm")):
-            env = _child_env()
+            env = _child_env(first_tier=True)
             scratch = None
             if case.cache == "empty" and peer == "fusedrnn":
                 scratch = tempfile.mkdtemp(prefix="fusedrnn-cold-")
