@@ -183,9 +183,7 @@ _compile_lock = threading.Lock()
 
 
 def _signature(dtype, arrays):
-    """arrays: (ndim, read only) of each array argument. An argument the kernel only reads
-    takes read-only arrays too (a user's read-only parameters' biases, lengths): Numba
-    types those apart and a writable-only signature would refuse them."""
+    """arrays: (ndim, only read) per array; those only read take read-only arrays too."""
     scalar = nb.from_dtype(np.dtype(dtype))
     typed = (nb.types.Array(scalar, nd, "A", readonly=read) for nd, read in arrays)
     # lengths, t, clip_lo, clip_hi, clip_flags
