@@ -137,6 +137,10 @@ def lowlevel_builds(request, monkeypatch):
 # in EXHAUSTIVE_ONLY, are marked exhaustive (.ci/run runs them after the quick tier).
 QUICK_CASES = 4
 QUICK_KERNELS = {"float64": "lstm", "bfloat16": "gru", "serial": "gru"}
+# A test about bfloat16 named so (its dtype no parameter) counts as a bfloat16 case.
+BF16_NAMES = ("bf16", "bfloat16")
+# The GPU kernels' compiles in the quick tier: the two architectures we ship for.
+QUICK_ARCHS = ("sm_90", "sm_80")
 # Whole tests that cost minutes and check no behaviour the quick tier misses: Numba's IR
 # and machine code of fresh compiles (vector code, no spills, parallel loops), the
 # benchmark CLI's end-to-end runs, and stress runs.
@@ -153,6 +157,11 @@ EXHAUSTIVE_ONLY = {
     "tests/benchmark/test_cli.py::test_json_and_plots",
     "tests/benchmark/test_cli.py::test_bfloat16_grid_cells_against_torch_bfloat16",
     "tests/benchmark/test_cli.py::test_a_peers_figure_does_not_depend_on_which_peers_ran",
+    "tests/test_memory.py::test_many_random_calls_keep_memory_bounded",
+    # (a case by its id) the kernels' timing instrumentation, compiled as the plain build is
+    "tests/gpu/test_compile.py::test_nvcc_compiles_every_persistent_kernel[sm_90-phase-clocks]",
+    "tests/gpu/test_compile.py::test_nvrtc_compiles_every_persistent_kernel_as_cupy_does"
+    "[sm_90-phase-clocks]",
 }
 
 
@@ -172,11 +181,14 @@ def _dtype_name(value):
         return str(value)
 
 
-def _quick_kernels(params):
-    """Whether a case's (mode, dtype, build) keeps to QUICK_KERNELS."""
+def _quick_kernels(name, params):
+    """Whether a case's (mode, dtype, build) keeps to QUICK_KERNELS, and its GPU
+    architecture to QUICK_ARCHS."""
+    if params.get("arch", QUICK_ARCHS[0]) not in QUICK_ARCHS:
+        return False
     mode = params.get("mode")
     dtype = next((_dtype_name(params[k]) for k in ("dtype", "half", "storage") if k in params),
-                 None)
+                 "bfloat16" if any(word in name for word in BF16_NAMES) else None)
     serial = any(v == "serial" for v in params.values() if isinstance(v, str))
     for kind in (dtype, "serial" if serial else None):
         if kind in QUICK_KERNELS and mode not in (None, QUICK_KERNELS[kind]):
@@ -190,10 +202,11 @@ def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
         name = f"{item.path.relative_to(root).as_posix()}::{item.originalname}"
-        if name in EXHAUSTIVE_ONLY:
+        case = f"{name}[{item.callspec.id}]" if hasattr(item, "callspec") else name
+        if name in EXHAUSTIVE_ONLY or case in EXHAUSTIVE_ONLY:
             item.add_marker(pytest.mark.exhaustive)
         elif hasattr(item, "callspec") and not item.get_closest_marker("exhaustive"):
-            if _quick_kernels(item.callspec.params):
+            if _quick_kernels(item.originalname, item.callspec.params):
                 groups.setdefault(name, []).append(item)
             else:
                 item.add_marker(pytest.mark.exhaustive)

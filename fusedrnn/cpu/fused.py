@@ -5,9 +5,8 @@ One parallel region per call, its workers sharing each step's blocks of 16 hidde
 (lowlevel/microkernel.py), into a tile that stays in cache, and runs the cell (units.py)
 on it. For every cell without a projection; at T=1, FusedLayer.forward_single.
 
-layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-              clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16, wpairs,
-              x16, wxpairs, bias_rows, counters, workers)
+layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, clip,
+              single, half, (counters, workers))
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias (empty with x16)
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
@@ -19,15 +18,17 @@ layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
     saved   (D, T, N, S*H)  out  training record (cells.py's layout); (0, 0, 0, 0) for none
     tiles   (B, N, 256)     scratch, one tile per block (layout: TILE_GROUPS below)
     lengths (N,) int64      in   per-sample lengths, (0,) for all T; past it: carry, y = 0
-    clip_*                       LSTM cell-state clipping, in the data's dtype (cells.py)
-    x, w_x, w_h, x_cols, h_cols, w_rows   the T=1 form's (forward_single); empty here
-    h16, wpairs                  the bf16 layer's h_t rounded and W_h's pairs (empty else)
-    x16     (T*N, kx) uint32 in  the bf16 layer's input as bfloat16 pairs (kx = ceil(K/2))
-                                 where it multiplies W_x x_t itself (fuses_input); (0, 0) else
-    wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
-    bias_rows (2, B, G, 16)  in  the bf16 layer's bx, bh by block (bias_rows_of): its
-                                 products start from them (bx with x16 only, else added as
-                                 a row); (0, 0, 0, 0) else: the loop adds both
+    clip    (lo, hi, flags)      LSTM cell-state clipping, in the data's dtype (cells.py)
+    single  (x, w_x, w_h, x_cols, h_cols, w_rows)   the T=1 form's (forward_single); each
+                                 empty (FusedLayer._no_single) for T > 1
+    half    (h16, wpairs, x16, wxpairs, bias_rows)   the bf16 layer's; each empty
+                                 (FusedLayer._no_half) else:
+      h16, wpairs                h_t rounded and W_h's pairs
+      x16   (T*N, kx) uint32 in  the input as bfloat16 pairs (kx = ceil(K/2)) where the
+                                 loop multiplies W_x x_t itself (fuses_input); (0, 0) else
+      wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
+      bias_rows (2, B, G, 16)  in  bx, bh by block (bias_rows_of): the products start
+                                 from them (bx with x16 only, else added as a row)
     counters (T, stride) int64   zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All C-contiguous, of one dtype (but lengths, counters, bf16 bits); no two overlap.
@@ -145,9 +146,14 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
     # The bf16 products start from the biases (bias_rows): no pass adds them to the tile.
     # Measured: bench/results/cpu-kernel-notes.md#bf16-products-that-start-from-the-biases
 
-    def layer_forward(xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                      clip_lo, clip_hi, clip_flags, x, w_x, w_h, x_cols, h_cols, w_rows, h16,
-                      wpairs, x16, wxpairs, bias_rows, counters, workers):
+    def layer_forward(xproj, d, wpack, biases, states, y, saved, tiles, lengths, clip,
+                      single, half, share):
+        bx, bh = biases
+        hs, cs = states
+        clip_lo, clip_hi, clip_flags = clip
+        x, w_x, w_h, x_cols, h_cols, w_rows = single
+        h16, wpairs, x16, wxpairs, bias_rows = half
+        counters, workers = share
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
@@ -308,7 +314,9 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
 # re-optimised where Numba links the kernel (the cached copy), made the whole body spill.
 # Measured: bench/results/cpu-kernel-notes.md#fused-code-optimised-twice
 def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=False):
-    """The backward twin of layer_forward (arguments: FusedLayer.backward). With `bf16`
+    """The backward twin of layer_forward (arguments: FusedLayer.backward's, grouped as
+    (hs, cs), (dgx, dgh), (dh_rec0, dh_carry, dc_carry), clip, (dg16, wpairs_rows) and
+    (counters, workers)). With `bf16`
     dh_rec = dg_later @ W_h is vdpbf16ps's: each step writes its dg rounded into dg16 (two
     rows, by step parity), the next multiplies them by wpairs_rows."""
     itemsize = np.dtype(dtype).itemsize
@@ -324,9 +332,14 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
     dx_out = _columns(*(_DX + g for g in range(4)))
     reads_h = _spec(mode).reads_h_prev   # else h_{t-1} stays out of the tile
 
-    def layer_backward(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry,
-                       dc_carry, tiles, lengths, clip_lo, clip_hi, clip_flags, dg16,
-                       wpairs_rows, counters, workers):
+    def layer_backward(dy, d, wpack_rows, states, saved, grads, carries, tiles, lengths, clip,
+                       half, share):
+        hs, cs = states
+        dgx, dgh = grads
+        dh_rec0, dh_carry, dc_carry = carries
+        clip_lo, clip_hi, clip_flags = clip
+        dg16, wpairs_rows = half
+        counters, workers = share
         if not parallel:
             workers = 1
         T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
@@ -542,6 +555,11 @@ class FusedLayer:
         self._no_x16 = np.empty((0, 0), np.uint32)
         self._no_bias_rows = np.empty((0, 0, 0, 0), self.dtype)
         self._no_rows = np.empty((1, 0), np.uint32)   # (w_rows: one row, as it is indexed)
+        # the T=1 form's and the bf16 layer's groups where a launch has none
+        self._no_single = (self._no_weights, self._no_weights, self._no_weights,
+                           self._no_panels, self._no_panels, self._no_rows)
+        self._no_half = (self._no_h16, self._no_pairs, self._no_x16, self._no_pairs,
+                         self._no_bias_rows)
         self._backward, self._backward_serial = (
             _make_layer_backward(MODE_INDEX[mode], spec.gates, spec.saved, self.dtype, parallel,
                                  bf16=bf16)
@@ -681,10 +699,9 @@ class FusedLayer:
         share = _workshare(T, tiles.shape[0], serial)
         with LAUNCH_LOCK:
             pick(self._forward, self._forward_serial, serial)(
-                xproj, d, wpack, bx, bh, hs, cs, y, saved, tiles, lengths, scalar(clip_lo),
-                scalar(clip_hi), clip_flags, self._no_weights, self._no_weights,
-                self._no_weights, self._no_panels, self._no_panels, self._no_rows, h16, wpairs,
-                x16, wxpairs, bias_rows, *share)
+                xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths,
+                (scalar(clip_lo), scalar(clip_hi), clip_flags), self._no_single,
+                (h16, wpairs, x16, wxpairs, bias_rows), share)
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: the layer's dtype, or with reads_weights
@@ -722,11 +739,11 @@ class FusedLayer:
                 raise ValueError(f"FusedLayer.forward_single: w_rows {w_rows.shape} cannot "
                                  f"hold {PANEL} rows of {max(K, H)} for {share[1]} workers")
         with LAUNCH_LOCK:
-            kernel(self._no_xproj, d, self._no_wpack, bx, bh, hs, cs, y, saved, tiles, lengths,
-                   scalar(clip_lo), scalar(clip_hi), clip_flags, np.ascontiguousarray(x2d),
-                   w_x, w_h, scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL),
-                   h_cols, w_rows, self._no_h16, self._no_pairs, self._no_x16,
-                   self._no_pairs, self._no_bias_rows, *share)
+            kernel(self._no_xproj, d, self._no_wpack, (bx, bh), (hs, cs), y, saved, tiles,
+                   lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
+                   (np.ascontiguousarray(x2d), w_x, w_h,
+                    scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL), h_cols,
+                    w_rows), self._no_half, share)
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
@@ -767,9 +784,9 @@ class FusedLayer:
         scalar = self.dtype.type
         share = _workshare(T, blocks, serial)
         with LAUNCH_LOCK:
-            kernel(dy, d, wpack_rows, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
-                   scratch.tiles, lengths, scalar(clip_lo), scalar(clip_hi), clip_flags, dg16,
-                   wpairs_rows, *share)
+            kernel(dy, d, wpack_rows, (hs, cs), saved, (dgx, dgh), (dh_rec0, dh_carry, dc_carry),
+                   scratch.tiles, lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
+                   (dg16, wpairs_rows), share)
 
 
 _layers: dict = {}

@@ -25,7 +25,8 @@ def test_concurrent_calls_match_serial(monkeypatch):
     loops on their parallel builds (which calls this small would not take)."""
     from fusedrnn.cpu import fused
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)
-    cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i)
+    cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i,
+                       dtype=np.float32)   # (the quick tier's kernels: conftest.py)
              for i, mode in enumerate(MODES * 3)]
 
     def run(case, kw, heads):
