@@ -219,6 +219,7 @@ def test_strict_peer_runs_where_the_flag_changes_the_math():
     assert "torch-strict" in case_lib.peers_of(case)
 
 
+@pytest.mark.alone   # (another test worker's load would be a neighbour too)
 def test_a_peers_figure_does_not_depend_on_which_peers_ran(tmp_path):
     """fusedrnn's decoder step alone and beside every other peer (whose BLAS and OpenMP
     threads spin after their turns): the two runs' blocks overlap. Before turns waited
