@@ -9,15 +9,19 @@ So our cache locators come first in Numba's list for this package's kernels: the
 where Numba's own would put it, its stamp extended by a digest of every file in
 DEPENDENCIES and the micro-kernel's settings. A user's NUMBA_CACHE_LOCATOR_CLASSES stays.
 Saves into this package's caches hold a file lock: Numba's read-modify-write of an index
-could give two processes' kernels (two modes of one closure) the same data file.
+could give two processes' kernels (two modes of one closure) the same data file. A compile
+holds one per kernel and signature: processes that need a kernel at once (test workers,
+DDP ranks, the first tier's background compile) build it once, the others load it.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import time
 
-from numba.core import caching
+from numba.core import caching, dispatcher, sigutils
+from numba.core.compiler_lock import global_compiler_lock
 
 try:
     import fcntl
@@ -25,6 +29,10 @@ except ImportError:   # (no POSIX locks: saves as Numba makes them)
     fcntl = None
 
 __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
+
+# How long a compile waits for another process's compile of the same kernel before it
+# compiles the kernel itself (a stopped process must not stop its neighbours).
+COMPILE_WAIT_S = 600.0
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -103,13 +111,65 @@ def _locked(save):
     return locked_save
 
 
+def _compile_lock_path(kernel, sig):
+    """The lock file of `kernel`'s compile for `sig`: this package's cached kernels not yet
+    compiled in this process; None for every other."""
+    cache = getattr(kernel, "_cache", None)
+    impl = getattr(cache, "_impl", None)
+    if fcntl is None or not isinstance(getattr(impl, "locator", None), LOCATORS):
+        return None
+    try:
+        args, _ = sigutils.normalize_signature(sig)
+        if tuple(args) in kernel.overloads:
+            return None
+        key = repr((impl.filename_base, cache._index_key(sig, kernel.targetctx.codegen())))
+    except Exception:   # noqa: BLE001  (another Numba's internals: compile as Numba does)
+        return None
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return os.path.join(cache._cache_path, f"compile-{digest}.lock")
+
+
+def _once(compile):
+    @functools.wraps(compile)
+    def compile_once(self, sig):
+        # Numba's lock first: within a process one thread compiles at a time anyway
+        with global_compiler_lock:
+            path = _compile_lock_path(self, sig)
+            if path is None:
+                return compile(self, sig)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                lock = open(path, "a")
+            except OSError:   # (a read-only cache: Numba compiles in memory)
+                return compile(self, sig)
+            with lock:
+                deadline = time.monotonic() + COMPILE_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            return compile(self, sig)
+                        time.sleep(0.05)
+                try:   # Numba's compile loads what the other process saved
+                    return compile(self, sig)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+    compile_once.fusedrnn_once = True
+    return compile_once
+
+
 def install():
-    """Put LOCATORS first in Numba's list, and lock this package's saves (once). Must run
-    before any kernel of this package is decorated with cache=True: Numba picks a kernel's
-    locator then."""
+    """Put LOCATORS first in Numba's list, lock this package's saves and compiles (once).
+    Must run before any kernel of this package is decorated with cache=True: Numba picks a
+    kernel's locator then."""
     classes = _numba_name("CacheImpl")._locator_classes
     if classes[:len(LOCATORS)] != list(LOCATORS):
         classes[:0] = LOCATORS
     save = caching.IndexDataCacheFile.save
     if not getattr(save, "fusedrnn_locked", False):
         caching.IndexDataCacheFile.save = _locked(save)
+    compile = dispatcher.Dispatcher.compile
+    if not getattr(compile, "fusedrnn_once", False):
+        dispatcher.Dispatcher.compile = _once(compile)

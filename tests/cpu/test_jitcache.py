@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -133,3 +134,65 @@ def test_concurrent_saves_into_our_cache_keep_every_kernel_apart(tmp_path):
     wrong = [k for who in ("a", "b") for k in (f"{who}-{i}" for i in range(150))
              if cache.load(k) != k]
     assert not wrong, wrong[:5]
+
+
+_COMPILER = """
+import os, sys, time
+import numpy as np
+from fusedrnn.cpu.lowlevel import packing
+go = sys.argv[1]
+while not os.path.exists(go):   # both processes imported: released together
+    time.sleep(0.005)
+w = np.arange(12.0).reshape(3, 4)
+out = np.empty((1, 4, 16))
+packing._pack_rows_at(w, 0, out)
+assert (out[0, :, :3] == w.T).all()
+print(sum(packing._pack_rows_at.stats.cache_misses.values()))
+"""
+
+
+def test_processes_that_need_a_kernel_at_once_compile_it_once(tmp_path):
+    """Two processes call a kernel that no cache holds at the same moment (pytest's
+    workers, DDP ranks): one compiles it, the other waits and loads what it saved."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    go = tmp_path / "go"
+    runs = [subprocess.Popen([sys.executable, "-c", _COMPILER, str(go)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    time.sleep(3.0)   # (both past their imports)
+    go.touch()
+    outs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err for _, err in outs]
+    assert sorted(int(out.split()[-1]) for out, _ in outs) == [0, 1]
+
+
+def test_a_compile_waits_no_longer_than_its_bound(tmp_path, monkeypatch):
+    """A compile whose lock another process holds past COMPILE_WAIT_S compiles anyway."""
+    import fcntl
+
+    from numba import njit
+    monkeypatch.setattr(jitcache, "COMPILE_WAIT_S", 0.2)
+    # a copy of a package kernel: ours to the locator, compiled in no test before
+    options = {k: v for k, v in packing._pack_rows_at.targetoptions.items() if k != "nopython"}
+    kernel = njit(cache=True, **options)(packing._pack_rows_at.py_func)
+    sig = (kernel.typeof_pyval(np.zeros((2, 2), np.float32)), kernel.typeof_pyval(0),
+           kernel.typeof_pyval(np.zeros((1, 2, 16), np.float32)))
+    path = jitcache._compile_lock_path(kernel, sig)
+    assert path is not None and jitcache._compile_lock_path(njit(lambda a: a), sig) is None
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, time\nf = open({path!r}, 'a')"
+                               "\nfcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)"
+                               "\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        kernel.compile(sig)
+        assert tuple(sig) in kernel.overloads and time.monotonic() - start >= 0.2
+        with open(path, "a") as f:   # still the holder's
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                raise AssertionError("the lock was not held")
+            except BlockingIOError:
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
