@@ -31,8 +31,9 @@ except ImportError:   # (no POSIX locks: saves as Numba makes them)
 __all__ = ["DEPENDENCIES", "dependency_digest", "install"]
 
 # How long a compile waits for another process's compile of the same kernel before it
-# compiles the kernel itself (a stopped process must not stop its neighbours).
-COMPILE_WAIT_S = 600.0
+# compiles the kernel itself, and waits for none again (a stopped process must not stop
+# its neighbours).
+COMPILE_WAIT_S = 120.0
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -96,13 +97,26 @@ LOCATORS = tuple(_ours(_numba_name(name)) for name in
                  ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"))
 
 
+def _flock(fd, blocking=True):
+    """True once `fd` is locked; False where another process holds it (non-blocking) or the
+    file system has no locks (NFS without lockd, some FUSE): then go on unlocked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
 def _locked(save):
     @functools.wraps(save)
     def locked_save(self, key, data):
         if fcntl is None or _HERE.lstrip(os.sep) not in self._cache_path:
             return save(self, key, data)
         with open(self._index_path + ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _flock(lock):
+                return save(self, key, data)
             try:
                 return save(self, key, data)
             finally:
@@ -111,12 +125,17 @@ def _locked(save):
     return locked_save
 
 
+_HELD = set()   # compile locks this process holds: a forked child closes its copies
+_WAITED_OUT = []   # a wait that ran out: this process waits for no other compile
+
+
 def _compile_lock_path(kernel, sig):
     """The lock file of `kernel`'s compile for `sig`: this package's cached kernels not yet
-    compiled in this process; None for every other."""
+    compiled in this process, with a cache to load from; None for every other."""
     cache = getattr(kernel, "_cache", None)
     impl = getattr(cache, "_impl", None)
-    if fcntl is None or not isinstance(getattr(impl, "locator", None), LOCATORS):
+    if (fcntl is None or _WAITED_OUT or not getattr(cache, "_enabled", False)
+            or not isinstance(getattr(impl, "locator", None), LOCATORS)):
         return None
     try:
         args, _ = sigutils.normalize_signature(sig)
@@ -137,27 +156,31 @@ def _once(compile):
             path = _compile_lock_path(self, sig)
             if path is None:
                 return compile(self, sig)
-            try:
+            try:   # (read-only: flock needs no write access to a shared cache's files)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                lock = open(path, "a")
-            except OSError:   # (a read-only cache: Numba compiles in memory)
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except OSError:   # (an unwritable cache: Numba compiles in memory)
                 return compile(self, sig)
-            with lock:
+            _HELD.add(fd)
+            try:
                 deadline = time.monotonic() + COMPILE_WAIT_S
-                while True:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                while _flock(fd, blocking=False) is False:   # (None: no locks here)
+                    if time.monotonic() > deadline:
+                        _WAITED_OUT.append(path)
                         break
-                    except OSError:
-                        if time.monotonic() > deadline:
-                            return compile(self, sig)
-                        time.sleep(0.05)
-                try:   # Numba's compile loads what the other process saved
-                    return compile(self, sig)
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    time.sleep(0.05)
+                return compile(self, sig)   # which loads what the other process saved
+            finally:
+                _HELD.discard(fd)
+                os.close(fd)   # (releases the lock)
     compile_once.fusedrnn_once = True
     return compile_once
+
+
+def _close_held():
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
 
 
 def install():
@@ -173,3 +196,5 @@ def install():
     compile = dispatcher.Dispatcher.compile
     if not getattr(compile, "fusedrnn_once", False):
         dispatcher.Dispatcher.compile = _once(compile)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_close_held)
