@@ -1,8 +1,7 @@
 """exp, sigmoid and tanh that LLVM can vectorise, for the CPU cell kernels.
 
-Numba lowers math.exp / math.tanh to scalar libm calls (no SVML in its builds here),
-which are slow and stop the loop vectoriser. These are plain arithmetic, one bit-cast and
-selects, written for the argument's own precision, so a loop over units vectorises:
+Numba lowers math.exp / math.tanh to scalar libm calls (no SVML in its builds), which stop
+the loop vectoriser; these are arithmetic, a bit-cast and selects in the argument's precision:
 
     exp      Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, a Taylor polynomial in r
              (degree 7 for float32, 12 for float64: truncation below half an ulp) on FMAs
@@ -12,9 +11,9 @@ selects, written for the argument's own precision, so a loop over units vectoris
     tanh     sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): absolute error ~2 ulp of 1
              (the cells' tolerances are absolute, as for every float32 tanh from exp).
 
-Below exp's normal range (x < -87.3 in float32, -708 in float64) it returns 0, above
-it (88.3, 709) +inf, so sigmoid and tanh saturate exactly; NaN propagates. They inline
-at Numba's level (inline="always"), so a cell loop holds the whole computation.
+Below exp's normal range (x < -87.3 in float32, -708 in float64) it is 0, above it (88.3,
+709) +inf: sigmoid and tanh saturate exactly; NaN propagates. They inline at Numba's level
+(inline="always"), so a cell loop holds the whole computation; select is a builtin.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, lower_builtin, overload, type_callable
 
 __all__ = ["fast_exp", "sigmoid", "tanh", "one_like", "select", "zero_like"]
 
@@ -64,25 +63,9 @@ def _pow2(typingctx, n, like):
 
 
 def select(cond, a, b):
-    """a if cond else b, without a branch (Python fallback; compiled code uses _select)."""
-    return a if cond else b
-
-
-@intrinsic
-def _select(typingctx, cond, a, b):
-    """LLVM `select`: a if cond else b for two floats (_select_type). Numba lowers Python's
-    conditional to branches, which kept the fused kernels' cell loops scalar.
+    """a if cond else b without a branch (a conditional's branches kept cell loops scalar).
     Measured: bench/results/cpu-kernel-notes.md#fused-vectorising-the-cell-loops"""
-    result = _select_type(cond, a, b)
-    if result is None:
-        return None
-
-    def codegen(context, builder, signature, args):
-        a_value = context.cast(builder, args[1], signature.args[1], result)
-        b_value = context.cast(builder, args[2], signature.args[2], result)
-        return builder.select(args[0], a_value, b_value)
-
-    return result(cond, a, b), codegen
+    return a if cond else b
 
 
 def _select_type(cond, a, b):
@@ -93,11 +76,17 @@ def _select_type(cond, a, b):
     return types.float64 if types.float64 in (a, b) else types.float32
 
 
-@overload(select, inline="always")
-def _select_overload(cond, a, b):
-    if _select_type(cond, a, b) is not None:
-        return lambda cond, a, b: _select(cond, a, b)
-    return None
+@type_callable(select)   # bench/results/cpu-kernel-notes.md#first-use-select-as-a-builtin
+def _select_typer(context):
+    return _select_type
+
+
+@lower_builtin(select, types.Boolean, types.Float, types.Float)
+def _select_lower(context, builder, signature, args):
+    result = signature.return_type
+    a_value = context.cast(builder, args[1], signature.args[1], result)
+    b_value = context.cast(builder, args[2], signature.args[2], result)
+    return builder.select(args[0], a_value, b_value)
 
 
 @intrinsic
