@@ -131,16 +131,19 @@ def lowlevel_builds(request, monkeypatch):
 # order that each bring a parameter value not seen before: every mode, dtype, layer count,
 # direction, build and feature still runs at small sizes, once per test rather than in
 # every combination. Its kernels are compiled once per (mode, dtype, build) and a fresh
-# clone compiles every one it touches, so the quick tier's cases keep to QUICK_KERNELS:
-# every mode in float32 (and float16, which runs float32's kernels) on the parallel build,
-# and one mode each for float64, bfloat16 and the serial builds. The rest, and the tests
-# in EXHAUSTIVE_ONLY, are marked exhaustive (.ci/run runs them after the quick tier).
+# clone compiles every one it touches (seconds each), so the quick tier's cases keep to
+# QUICK_KERNELS: every mode in float32 (and float16, which runs float32's kernels); on the
+# parallel builds three (rnn_relu's differ from rnn_tanh's in the activation alone, which
+# the serial builds check) and no float64; one mode each for float64, bfloat16 and the
+# serial builds. The rest, and the tests in EXHAUSTIVE_ONLY, are marked exhaustive
+# (.ci/run runs them after the quick tier).
 QUICK_CASES = 4
-QUICK_KERNELS = {"float64": "lstm", "bfloat16": "gru", "serial": "gru"}
+QUICK_KERNELS = {"float64": ("lstm",), "bfloat16": ("gru",), "serial": ("gru",),
+                 "parallel": ("lstm", "gru", "rnn_tanh")}
 # A test about bfloat16 named so (its dtype no parameter) counts as a bfloat16 case.
 BF16_NAMES = ("bf16", "bfloat16")
-# The GPU kernels' compiles in the quick tier: the two architectures we ship for.
-QUICK_ARCHS = ("sm_90", "sm_80")
+# The GPU kernels' compiles in the quick tier: Hopper's (the exhaustive tier, sm_80 too).
+QUICK_ARCHS = ("sm_90",)
 # Whole tests that cost minutes and check no behaviour the quick tier misses: Numba's IR
 # and machine code of fresh compiles (vector code, no spills, parallel loops), the
 # benchmark CLI's end-to-end runs, and stress runs.
@@ -189,9 +192,11 @@ def _quick_kernels(name, params):
     mode = params.get("mode")
     dtype = next((_dtype_name(params[k]) for k in ("dtype", "half", "storage") if k in params),
                  "bfloat16" if any(word in name for word in BF16_NAMES) else None)
-    serial = any(v == "serial" for v in params.values() if isinstance(v, str))
-    for kind in (dtype, "serial" if serial else None):
-        if kind in QUICK_KERNELS and mode not in (None, QUICK_KERNELS[kind]):
+    builds = {v for v in params.values() if v in ("serial", "parallel")}
+    if "parallel" in builds and dtype == "float64":
+        return False
+    for kind in (dtype, *builds):
+        if kind in QUICK_KERNELS and mode not in (None, *QUICK_KERNELS[kind]):
             return False
     return True
 

@@ -513,7 +513,7 @@ def test_a_bf16_training_step_reads_the_data_in_place(monkeypatch):
     from fusedrnn import cpu
     from fusedrnn.cache import thread_cache
     thread_cache().clear()
-    case, kw, heads = make_case("lstm", T=6, N=5, I=8, H=24, L=2, D=2, seed=8)
+    case, kw, heads = make_case("gru", T=6, N=5, I=8, H=24, L=2, D=2, seed=8)
     half = {k: v.astype(ml_dtypes.bfloat16) for k, v in case.items() if v is not None}
     # (into float32 only: the gradients leave the other way)
     converted = _record_conversions(

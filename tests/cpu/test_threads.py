@@ -389,7 +389,7 @@ def run(_=None):
     for mode, T, N, H, P, dt in [("lstm", 20, 8, 32, None, np.float32),
                                  ("gru", 1, 4, 24, None, np.float32),
                                  ("lstm", 10, 3, 16, 8, np.float32),
-                                 ("rnn_tanh", 12, 8, 32, None, ml_dtypes.bfloat16)]:
+                                 ("gru", 12, 8, 32, None, ml_dtypes.bfloat16)]:
         kw = dict(mode=mode, state_size=H, num_layers=1, projection_size=P)
         size = fusedrnn.param_size(input_size=H, **kw)
         x = rng.standard_normal((T, N, H)).astype(dt)
