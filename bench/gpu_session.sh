@@ -28,6 +28,11 @@
 #                                          # persistent kernels' phases with the backward's
 #                                          # GEMMs, and peak memory against cuDNN's with the
 #                                          # 1,000-step growth check (at most 8 min)
+#   bash bench/gpu_session.sh lease        # one whole lease in one call, by priority under
+#                                          # one 9.5-minute deadline: every GPU test (4
+#                                          # workers), then anchor's phases and the decoder
+#                                          # step (seq2seq); everything packed into
+#                                          # $OUT/lease.tgz (the device returns 8 files)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -133,8 +138,42 @@ case "$phase" in
         timeout -s KILL 60 $PY -m fusedrnn.benchmark.gpu_memory --modes lstm --batches 20 \
             --steps 1000 --json "$OUT/anchor-growth.json" 2>&1 | tee "$OUT/anchor-growth.log"
         ;;
+    lease)   # each step's limit is its cap or what is left of the deadline, the smaller
+        DEADLINE=$(( $(date +%s) + ${LEASE_S:-560} ))
+        final=$OUT
+        OUT=$(mktemp -d)
+        cap() { local left=$(( DEADLINE - $(date +%s) )); echo $(( left < $1 ? left : $1 )); }
+        step() {   # $1: cap in seconds, $2: log name, rest: the command
+            local limit
+            limit=$(cap "$1")
+            if [ "$limit" -lt 15 ]; then echo "== $2: skipped, the deadline"; return; fi
+            shift
+            local log=$1
+            shift
+            echo "== $log (limit ${limit} s)"
+            timeout -s KILL "$limit" "$@" > "$OUT/$log" 2>&1
+            echo "== $log: exit $? (137: killed)"
+            tr '\r' '\n' < "$OUT/$log" | grep -E '^\| |passed|failed|^(FAILED|ERROR)' | tail -40
+        }
+        info | tee "$OUT/info.txt"
+        step 220 all-tests.log $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts= -rfE \
+            --maxfail=30 -n 4 tests/gpu tests/torch/test_cuda.py
+        peers=fusedrnn,torch,torch-strict
+        step 130 anchor-design.log $PY -m fusedrnn bench --device gpu --cases design-doc \
+            --filter '^(lstm|gru) ' --peers $peers --repeats 3 --json "$OUT/anchor-design.json"
+        step 50 anchor-phases.log $PY -m fusedrnn.benchmark.gpu_phases --modes lstm,gru
+        step 80 anchor-memory.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm,gru \
+            --batches 20,256 --steps 0 --json "$OUT/anchor-memory.json"
+        step 50 anchor-growth.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm \
+            --batches 20 --steps 1000 --json "$OUT/anchor-growth.json"
+        step 40 seq2seq.log $PY -m fusedrnn bench --device gpu --cases seq2seq --peers $peers \
+            --repeats 3 --json "$OUT/seq2seq.json"
+        step 90 anchor-batch.log $PY -m fusedrnn bench --device gpu --cases batch \
+            --peers $peers --repeats 3 --json "$OUT/anchor-batch.json"
+        tar czf "$final/lease.tgz" -C "$OUT" .
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half|anchor] [arguments]" >&2
+        echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half|anchor|lease] [arguments]" >&2
         exit 2
         ;;
 esac
