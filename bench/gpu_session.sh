@@ -30,7 +30,9 @@
 #                                          # 1,000-step growth check (at most 8 min)
 #   bash bench/gpu_session.sh lease        # one whole lease in one call, by priority under
 #                                          # one 9.5-minute deadline: every GPU test (4
-#                                          # workers), then anchor's phases and the decoder
+#                                          # workers), gpu_checks (host synchronisation,
+#                                          # reduce-overhead capture), then anchor's phases
+#                                          # (memory at 150 s and growth at 90) and the decoder
 #                                          # step (seq2seq); everything packed into
 #                                          # $OUT/lease.tgz (the device returns 8 files)
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
@@ -158,13 +160,14 @@ case "$phase" in
         info | tee "$OUT/info.txt"
         step 220 all-tests.log $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts= -rfE \
             --maxfail=30 -n 4 tests/gpu tests/torch/test_cuda.py
+        step 60 checks.log $PY -m fusedrnn.benchmark.gpu_checks
         peers=fusedrnn,torch,torch-strict
         step 130 anchor-design.log $PY -m fusedrnn bench --device gpu --cases design-doc \
             --filter '^(lstm|gru) ' --peers $peers --repeats 3 --json "$OUT/anchor-design.json"
         step 50 anchor-phases.log $PY -m fusedrnn.benchmark.gpu_phases --modes lstm,gru
-        step 80 anchor-memory.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm,gru \
+        step 150 anchor-memory.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm,gru \
             --batches 20,256 --steps 0 --json "$OUT/anchor-memory.json"
-        step 50 anchor-growth.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm \
+        step 90 anchor-growth.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm \
             --batches 20 --steps 1000 --json "$OUT/anchor-growth.json"
         step 40 seq2seq.log $PY -m fusedrnn bench --device gpu --cases seq2seq --peers $peers \
             --repeats 3 --json "$OUT/seq2seq.json"

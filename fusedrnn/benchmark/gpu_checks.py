@@ -1,8 +1,8 @@
-"""Issue 46/47 checks on a lent GPU, one process: (1) a fusedrnn.torch module's forward and
+"""Checks of real use on a lent GPU, one process: (1) a fusedrnn.torch module's forward and
 backward on CUDA under torch.cuda.set_sync_debug_mode("error") (any host synchronisation
 raises), (2) torch.compile(mode="reduce-overhead") trains 3 steps as eager does.
 
-    PYTHONPATH=. python3 bench/gpu_checks.py
+    PYTHONPATH=. python3 -m fusedrnn.benchmark.gpu_checks
 """
 import traceback
 
@@ -17,7 +17,7 @@ def model(mode):
     return cls(64, 128, num_layers=2).cuda()
 
 
-def sync_free(mode, lengths):
+def sync_free(mode):
     net = model(mode)
     x = torch.randn(20, 8, 64, device="cuda", requires_grad=True)
     net(x)[0].sum().backward()   # warm: compiles, allocations
@@ -51,14 +51,19 @@ def compiled_matches(mode, compile_mode):
             losses.append(loss.item())
         results.append((losses, [p.detach().clone() for p in net.parameters()]))
     (l0, p0), (l1, p1) = results
-    dp = max((a - b).abs().max().item() for a, b in zip(p0, p1))
+    dp = max((a - b).abs().max().item() for a, b in zip(p0, p1, strict=True))
     return f"eager {['%.7g' % v for v in l0]} compiled {['%.7g' % v for v in l1]} max|dparam| {dp:.3g}"
 
 
-for mode in ("lstm", "gru"):
-    for what, fn in (("sync-free fwd+bwd", lambda: sync_free(mode, None)),
-                     ("compile reduce-overhead", lambda: compiled_matches(mode, "reduce-overhead"))):
-        try:
-            print(f"{mode} {what}: {fn()}", flush=True)
-        except Exception:  # noqa: BLE001
-            print(f"{mode} {what}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+def main():
+    for mode in ("lstm", "gru"):
+        for what, fn, args in (("sync-free fwd+bwd", sync_free, ()),
+                               ("compile reduce-overhead", compiled_matches, ("reduce-overhead",))):
+            try:
+                print(f"{mode} {what}: {fn(mode, *args)}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{mode} {what}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
