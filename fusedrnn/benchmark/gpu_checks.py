@@ -9,12 +9,12 @@ import traceback
 import torch
 
 import fusedrnn.torch as frt
+from fusedrnn.config import CELLS
 
 
 def model(mode):
     torch.manual_seed(0)
-    cls = {"lstm": frt.LSTM, "gru": frt.GRU}[mode]
-    return cls(64, 128, num_layers=2).cuda()
+    return CELLS[mode].torch_module(frt, input_size=64, hidden_size=128, num_layers=2).cuda()
 
 
 def sync_free(mode):

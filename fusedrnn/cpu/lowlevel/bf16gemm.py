@@ -295,7 +295,7 @@ def _project_bf16(a, wpack, c, spill, by_columns):
     panels = -(-C // PANEL)
     chunks = (M + CHUNK - 1) // CHUNK
     groups = min(panels, max(1, -(-(ITEMS if by_columns else 8) // chunks)))
-    lda = M if by_columns else kp                   # uint32s between k-pairs / rows of A
+    lda = M if by_columns else kp   # uint32 words between k-pairs / rows of A
     step = K_BLOCK if by_columns else kp
     for item in prange(chunks * groups):
         chunk, group = item // groups, item % groups
