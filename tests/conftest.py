@@ -161,7 +161,17 @@ EXHAUSTIVE_ONLY = {
     "tests/benchmark/test_cli.py::test_bfloat16_grid_cells_against_torch_bfloat16",
     "tests/benchmark/test_cli.py::test_a_peers_figure_does_not_depend_on_which_peers_ran",
     "tests/test_memory.py::test_many_random_calls_keep_memory_bounded",
-    # (a case by its id) the kernels' timing instrumentation, compiled as the plain build is
+    # (a case by its id) the parallel builds of two features the serial builds check in the
+    # quick tier, each a kernel no other quick case compiles (float64 parallel; the float32
+    # GRU single step beside the bf16 one)
+    "tests/cpu/test_fused.py::test_op_single_step_matches_generic_path_with_lstm_clipping"
+    "[parallel-False]",
+    "tests/cpu/test_fused.py::test_op_single_step_matches_generic_path_with_lstm_clipping"
+    "[parallel-True]",
+    "tests/cpu/test_fused.py::test_a_bf16_single_step_reads_the_weights_in_place"
+    "[parallel-gru-1-1-17-33]",
+    "tests/benchmark/test_cli.py::test_a_variant_runs_in_its_own_process",
+    # the kernels' timing instrumentation, compiled as the plain build is
     "tests/gpu/test_compile.py::test_nvcc_compiles_every_persistent_kernel[sm_90-phase-clocks]",
     "tests/gpu/test_compile.py::test_nvrtc_compiles_every_persistent_kernel_as_cupy_does"
     "[sm_90-phase-clocks]",

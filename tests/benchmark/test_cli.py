@@ -269,9 +269,9 @@ def test_cpu_grid_is_a_subset_of_the_full_grid():
 
 
 def test_side_by_side_helpers():
-    """benchmark.processes: the blocks count their calls; a variant runs in its own process
-    and reports its seconds (compiled.py's eager tagger step)."""
-    from fusedrnn.benchmark.processes import alternate, seconds_per_call
+    """benchmark.processes: the blocks count their calls and a device's synchronize closes
+    each block."""
+    from fusedrnn.benchmark.processes import seconds_per_call
     calls = []
     assert seconds_per_call(lambda: calls.append(1), warmup=2, blocks=3, per_block=4) >= 0
     assert len(calls) == 2 + 3 * 4
@@ -279,5 +279,11 @@ def test_side_by_side_helpers():
     seconds_per_call(lambda: events.append("call"), warmup=1, blocks=2, per_block=2,
                      sync=lambda: events.append("sync"))
     assert events == ["call"] + ["sync", "call", "call", "sync"] * 2
+
+
+def test_a_variant_runs_in_its_own_process():
+    """benchmark.processes.alternate: a variant runs in its own process and reports its
+    seconds (compiled.py's eager tagger step)."""
+    from fusedrnn.benchmark.processes import alternate
     times = alternate("fusedrnn.benchmark.compiled", ("eager",), 1, "tagger")
     assert list(times) == ["eager"] and len(times["eager"]) == 1 and times["eager"][0] > 0

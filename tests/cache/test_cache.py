@@ -1,4 +1,6 @@
-"""The thread-local op cache and the per-call training reserve rule."""
+"""The thread-local op cache and the per-call training reserve rule. LSTM throughout: the
+cache does not depend on the mode, and float64 LSTM is the quick tier's float64 kernel set
+(conftest.QUICK_KERNELS)."""
 import gc
 import threading
 
@@ -34,7 +36,7 @@ def test_hits_and_misses_by_key():
 def test_lru_bound_on_entries(limits):
     limits(max_entries=2)
     for T in (1, 2, 3, 1):
-        case, kw, _ = make_case("gru", T=T)
+        case, kw, _ = make_case("lstm", T=T)
         fusedrnn.RNN(**case, **kw)
     info = fusedrnn.cache_info()
     assert info.entries == 2 and info.evictions == 2 and info.misses == 4
@@ -43,7 +45,7 @@ def test_lru_bound_on_entries(limits):
 def test_bound_on_bytes_keeps_the_newest(limits):
     limits(max_bytes=1)
     for T in (5, 6):
-        case, kw, _ = make_case("gru", T=T)
+        case, kw, _ = make_case("lstm", T=T)
         expected = fusedrnn.RNN(**case, **kw)
     info = fusedrnn.cache_info()
     assert info.entries == 1 and info.evictions == 1
@@ -62,7 +64,7 @@ def test_two_training_forwards_before_backward_both_correct():
 
 
 def test_reserve_is_recycled_after_backward_only():
-    case, kw, heads = make_case("gru")
+    case, kw, heads = make_case("lstm")
     _, h1 = fusedrnn.RNN(**case, **kw, train=True)
     _, h2 = fusedrnn.RNN(**case, **kw, train=True)
     assert h1._reserve is not h2._reserve
@@ -76,7 +78,7 @@ def test_reserve_is_recycled_after_backward_only():
 
 
 def test_backward_twice_needs_retain():
-    case, kw, heads = make_case("rnn_tanh")
+    case, kw, heads = make_case("lstm")
     _, handle = fusedrnn.RNN(**case, **kw, train=True)
     first = fusedrnn.rnn_backward(handle, heads["dout"], retain=True)
     second = fusedrnn.rnn_backward(handle, heads["dout"])
@@ -98,7 +100,7 @@ def test_handle_survives_eviction_and_clear(limits):
 
 
 def test_each_thread_has_its_own_cache():
-    case, kw, _ = make_case("gru")
+    case, kw, _ = make_case("lstm")
     expected = fusedrnn.RNN(**case, **kw)
     seen = {}
 
@@ -140,7 +142,7 @@ def test_an_op_runs_one_call_at_a_time_across_threads():
     """Two handles of one op carried to two threads, their backwards at once (as two
     threads' autograd might): each result is the one it has alone (the op's lock: both
     use its backward scratch)."""
-    case, kw, heads = make_case("gru", T=40, N=8, I=16, H=48, L=2, D=2, seed=2)
+    case, kw, heads = make_case("lstm", T=40, N=8, I=16, H=48, L=2, D=2, seed=2)
     handles = [fusedrnn.RNN(**case, **kw, train=True)[1] for _ in range(2)]
     want = fusedrnn.rnn_backward(handles[0], heads["dout"], retain=True)
     bad = []
@@ -160,7 +162,7 @@ def test_an_op_runs_one_call_at_a_time_across_threads():
 def test_a_handle_released_inside_its_ops_call_does_not_deadlock():
     """The garbage collector can run the torch integration's finalizer (a handle's
     release) in the middle of the same op's call, on the thread that holds its lock."""
-    case, kw, _ = make_case("gru")
+    case, kw, _ = make_case("lstm")
     _, handle = fusedrnn.RNN(**case, **kw, train=True)
 
     def inside_a_call():
@@ -176,7 +178,7 @@ def test_a_release_never_waits_for_another_threads_call():
     """While another thread's call holds the op, a release (the garbage collector's, say)
     returns at once and leaves the reserve to be freed; a backward waiting for the op then
     finds the handle released and says so."""
-    case, kw, heads = make_case("gru")
+    case, kw, heads = make_case("lstm")
     _, handle = fusedrnn.RNN(**case, **kw, train=True)
     op, busy, done, outcome = handle._op(), threading.Event(), threading.Event(), []
 
@@ -238,7 +240,7 @@ def test_release_after_clear_does_not_rebuild_the_op():
 def test_byte_limit_holds_when_the_kept_op_is_the_oldest(limits):
     """Trimming skips the op in use and evicts the next least recent one."""
     big, bkw, heads = make_case("lstm", T=6, N=4, L=2, D=2)
-    small, skw, _ = make_case("gru", T=3)
+    small, skw, _ = make_case("lstm", T=3)
     _, handle = fusedrnn.RNN(**big, **bkw, train=True)   # the big op, then the small one
     fusedrnn.RNN(**small, **skw)
     limits(max_bytes=fusedrnn.cache_info().nbytes)

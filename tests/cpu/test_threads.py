@@ -12,7 +12,7 @@ import fusedrnn
 from fusedrnn.config import TORCH_CALLER, RNNConfig
 from fusedrnn.cpu import BACKEND, threads
 
-from conftest import MODES, make_case
+from conftest import QUICK_KERNELS, make_case
 
 
 def test_threading_layer_is_guarded_when_not_threadsafe():
@@ -27,7 +27,7 @@ def test_concurrent_calls_match_serial(monkeypatch):
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)
     cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i,
                        dtype=np.float32)   # (the quick tier's kernels: conftest.py)
-             for i, mode in enumerate(MODES * 3)]
+             for i, mode in enumerate(QUICK_KERNELS["parallel"] * 4)]
 
     def run(case, kw, heads):
         *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
