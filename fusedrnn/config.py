@@ -187,8 +187,42 @@ def _bool(name, value):
     return bool(value)
 
 
+_CONFIGS: dict = {}   # check_config's results by its arguments and their types
+
+
 def check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
-    """The RNNConfig of these arguments, or a TypeError/ValueError naming the bad one."""
+    """The RNNConfig of these arguments, or a TypeError/ValueError naming the bad one.
+    Remembered per argument values and types (True is not 1 here), since every call checks
+    the same few configurations again."""
+    args = (mode, input_size, state_size, num_layers, bidirectional, projection_size)
+    key = tuple((type(a), a) for a in args)
+    try:
+        return _CONFIGS[key]
+    except (KeyError, TypeError):   # (TypeError: an unhashable argument, refused below)
+        pass
+    config = _check_config(*args)
+    if len(_CONFIGS) >= 256:
+        _CONFIGS.clear()
+    _CONFIGS[key] = config
+    return config
+
+
+def dtype_name(dtype) -> str:
+    """dtype.name, remembered: numpy builds the name in Python at every access, and a call
+    reads it several times (bfloat16 is told apart by its name: validate._array)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        if len(_DTYPE_NAMES) >= 64:
+            _DTYPE_NAMES.clear()
+        name = _DTYPE_NAMES[dtype] = dtype.name
+        return name
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if projection_size is not None:

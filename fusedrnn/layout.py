@@ -60,10 +60,16 @@ class ParamLayout:
         offset, shape = list(self.blocks.values())[-1]
         return offset + math.prod(shape)
 
+    @cached_property
+    def _spans(self) -> dict[tuple[int, int, str], tuple[int, int, tuple[int, ...]]]:
+        """(start, stop, shape) of each block: view's, once (a call takes several)."""
+        return {key: (offset, offset + math.prod(shape), shape)
+                for key, (offset, shape) in self.blocks.items()}
+
     def view(self, flat, layer: int, direction: int, kind: str):
         """A view (no copy) of one block of `flat`; works for numpy and CuPy arrays."""
-        offset, shape = self.blocks[(layer, direction, kind)]
-        return flat[offset:offset + math.prod(shape)].reshape(shape)
+        start, stop, shape = self._spans[(layer, direction, kind)]
+        return flat[start:stop].reshape(shape)
 
     def views(self, flat) -> dict[tuple[int, int, str], object]:
         """Every block of `flat` as a view, keyed (layer, direction, kind)."""

@@ -1,6 +1,7 @@
 """The operator: validate -> look up the cached op -> backend forward / backward."""
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import NamedTuple
@@ -8,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cache import thread_cache
+from .config import dtype_name
 from .recurrence import RecurrentOp
 from .validate import check_call
 
@@ -72,7 +74,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
                       use_sequence_length=use_sequence_length, train=train, seed=seed)
     backend = backend.for_call(call.config, call.seq_len, call.dtype)   # (the CPU's tiers)
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
-           call.dtype.name, _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
+           dtype_name(call.dtype), _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)
     with op.lock, backend.device_context(call.data):
         op.last_stream = backend.follow(op.last_stream)
@@ -214,11 +216,17 @@ def _head_grad(backend, name, value, shape, call, allowed):
 
 def _backend_for(data):
     if isinstance(data, np.ndarray):
-        from .cpu import BACKEND
-        return BACKEND
+        return _cpu_backend()
     module = type(data).__module__.split(".")[0]
     if module == "cupy":
         from .gpu import backend
         return backend()
     raise TypeError(f"data: expected a numpy.ndarray or a cupy.ndarray, got "
                     f"{type(data).__module__}.{type(data).__name__}")
+
+
+@functools.cache
+def _cpu_backend():
+    """fusedrnn.cpu's backend, imported at the first numpy call (Numba loads with it)."""
+    from .cpu import BACKEND
+    return BACKEND

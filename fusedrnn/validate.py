@@ -14,6 +14,7 @@ from .config import (
     RNNConfig,
     _bool,
     check_config,
+    dtype_name,
     modes_with,
 )
 from .layout import expected_size
@@ -47,7 +48,7 @@ class CheckedCall:
 
     @property
     def precision(self):
-        return PRECISIONS[self.data.dtype.name]
+        return PRECISIONS[dtype_name(self.data.dtype)]
 
 
 def _array(name, value, ndim, backend, like=None):
@@ -65,7 +66,7 @@ def _array(name, value, ndim, backend, like=None):
     if dtype is None:
         # By name: numpy's bfloat16 is ml_dtypes' (config.PRECISIONS), kind "V" like
         # any 2-byte void, so the name is what tells it apart.
-        if value.dtype.name not in PRECISIONS:
+        if dtype_name(value.dtype) not in PRECISIONS:
             raise TypeError(f"{name}: expected dtype {DTYPE_NAMES}, got {value.dtype}")
     elif value.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype} (data's dtype), got {value.dtype}")

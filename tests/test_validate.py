@@ -194,3 +194,31 @@ def test_lengths_are_copied_so_later_changes_cannot_reach_backward():
     lens[:] = 4
     got = fusedrnn.rnn_backward(handle, heads["dout"])
     assert np.array_equal(got.data, expected.data)
+
+
+def test_a_remembered_config_never_answers_for_an_argument_of_another_type():
+    """check_config remembers its results per argument values and types: after a good
+    call, True for num_layers (equal to 1, and hashed alike) is still refused, and an
+    unhashable argument still gets its own message."""
+    case, kw, _ = make_case("gru")
+    fusedrnn.RNN(**case, **kw)
+    for bad, error in ((True, TypeError), (1.0, TypeError), ([1], TypeError)):
+        with pytest.raises(error, match="num_layers: expected a positive int"):
+            fusedrnn.RNN(**case, **dict(kw, num_layers=bad))
+    with pytest.raises(TypeError, match="bidirectional: expected a bool"):
+        fusedrnn.RNN(**case, **dict(kw, bidirectional=0))
+    fusedrnn.RNN(**case, **kw)
+
+
+def test_bfloat16_is_told_apart_from_other_two_byte_voids():
+    """The dtype's name decides (validate._array, through config.dtype_name's memory)."""
+    import ml_dtypes
+    case, kw, _ = make_case("gru")
+    for dtype in (np.dtype("V2"), np.dtype(ml_dtypes.bfloat16), np.dtype("V2")):
+        half = {k: None if v is None else v.astype(ml_dtypes.bfloat16).view(dtype)
+                for k, v in case.items()}
+        if dtype == np.dtype("V2"):
+            with pytest.raises(TypeError, match="data: expected dtype"):
+                fusedrnn.RNN(**half, **kw)
+        else:
+            assert fusedrnn.RNN(**half, **kw).dtype == dtype

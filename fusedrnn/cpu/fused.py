@@ -42,7 +42,7 @@ import numba as nb
 import numpy as np
 from numba import prange
 
-from ..config import CELLS
+from ..config import CELLS, dtype_name
 from .lowlevel import (
     CHUNK,
     HAS_BF16,
@@ -626,7 +626,7 @@ class FusedLayer:
             return
         wpack = scratch.wx_panels[:panels(out.shape[1]) * K * PANEL].reshape(-1, K, PANEL)
         pack_input_weights(w_xs, wpack)
-        half = x2d.dtype.name
+        half = dtype_name(x2d.dtype)
         if half in ("float16", "bfloat16"):
             project_widened(np.ascontiguousarray(x2d).view(np.uint16), half == "bfloat16",
                             wpack, out, scratch.spill, scratch.x_block)
@@ -648,7 +648,7 @@ class FusedLayer:
         """(bf16) x2d (M, K) as bfloat16 pairs (M, ceil(K/2)) uint32: bfloat16 data in place
         where K is even, else rounded into scratch.x16."""
         M, K = x2d.shape
-        if x2d.dtype.name == "bfloat16" and K % 2 == 0:
+        if dtype_name(x2d.dtype) == "bfloat16" and K % 2 == 0:
             return np.ascontiguousarray(x2d).view(np.uint32)
         kp = -(-K // 2)
         a16 = scratch.x16.reshape(-1)[:M * kp].view(np.uint16).reshape(M, 2 * kp)
@@ -706,7 +706,7 @@ class FusedLayer:
     def _weight(self, w):
         """A weight for forward_single, contiguous: the layer's dtype, or with reads_weights
         bfloat16 bits."""
-        if w.dtype != self.dtype and not (self.reads_weights and w.dtype.name == "bfloat16"):
+        if w.dtype != self.dtype and not (self.reads_weights and dtype_name(w.dtype) == "bfloat16"):
             raise TypeError(f"FusedLayer.forward_single: weights of {self.dtype} "
                             f"{'or bfloat16 ' if self.reads_weights else ''}expected, got "
                             f"{w.dtype}")
@@ -795,7 +795,7 @@ _lock = threading.Lock()
 
 def _bits_or_values(w):
     """A weight for the pair packers: bfloat16 as its bits (uint16), float32 as it is."""
-    return w.view(np.uint16) if w.dtype.name == "bfloat16" else w
+    return w.view(np.uint16) if dtype_name(w.dtype) == "bfloat16" else w
 
 
 def own_gemm(dtype):

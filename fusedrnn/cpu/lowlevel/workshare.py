@@ -25,6 +25,7 @@ finish(counters, step, done, blocks)
 from __future__ import annotations
 
 import platform
+import threading
 
 import numba as nb
 import numpy as np
@@ -41,11 +42,22 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def new_counters(steps, workers):
-    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines."""
+    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines: a view
+    of the calling thread's buffer, which a launch holds only until it returns (a fresh
+    aligned array cost more than a small call's kernel)."""
     stride = LINE * (-(-workers // LINE) + 1)
-    flat = np.zeros(steps * stride + LINE, np.int64)
-    skip = (-flat.ctypes.data % (LINE * 8)) // 8
-    return flat[skip:skip + steps * stride].reshape(steps, stride)
+    size = steps * stride
+    flat = getattr(_spare, "flat", None)
+    if flat is None or flat.shape[0] < size:
+        raw = np.empty(size + LINE, np.int64)
+        skip = (-raw.ctypes.data % (LINE * 8)) // 8
+        flat = _spare.flat = raw[skip:skip + size]
+    counters = flat[:size].reshape(steps, stride)
+    counters.fill(0)
+    return counters
+
+
+_spare = threading.local()
 
 
 @intrinsic
