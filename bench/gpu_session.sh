@@ -29,12 +29,15 @@
 #                                          # GEMMs, and peak memory against cuDNN's with the
 #                                          # 1,000-step growth check (at most 8 min)
 #   bash bench/gpu_session.sh lease        # one whole lease in one call, by priority under
-#                                          # one 9.5-minute deadline: every GPU test (4
-#                                          # workers), gpu_checks (host synchronisation,
-#                                          # reduce-overhead capture), then anchor's phases
-#                                          # (memory at 150 s and growth at 90) and the decoder
-#                                          # step (seq2seq); everything packed into
-#                                          # $OUT/lease.tgz (the device returns 8 files)
+#                                          # one deadline (LEASE_S, 560 s): every GPU test
+#                                          # (4 workers), gpu_checks (host synchronisation,
+#                                          # reduce-overhead capture), the phases with the
+#                                          # backward's dh product on its default loop and on
+#                                          # the tiled one (FUSEDRNN_GPU_TILED_DH=1), anchor's
+#                                          # design size, memory and growth, the decoder step,
+#                                          # the batch sweep; everything packed into
+#                                          # $OUT/lease.tgz after each step (the device returns
+#                                          # 8 files); exits 0 whatever the steps did
 # Logs and JSON go to $OUT (the device tool's return folder), else ./gpu-session. The golden
 # vectors travel with the tree (tests/golden).
 # Each phase runs under a hard timeout: a persistent kernel whose grid is not co-resident
@@ -155,16 +158,20 @@ case "$phase" in
             echo "== $log (limit ${limit} s)"
             timeout -s KILL "$limit" "$@" > "$OUT/$log" 2>&1
             echo "== $log: exit $? (137: killed)"
-            tr '\r' '\n' < "$OUT/$log" | grep -E '^\| |passed|failed|^(FAILED|ERROR)' | tail -40
+            tr '\r' '\n' < "$OUT/$log" | grep -E '^\| |passed|failed|^(FAILED|ERROR)|^check ' \
+                | tail -40
+            tar czf "$final/lease.tgz" -C "$OUT" .   # after every step: a killed call keeps it
         }
         info | tee "$OUT/info.txt"
         step 220 all-tests.log $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts= -rfE \
             --maxfail=30 -n 4 tests/gpu tests/torch/test_cuda.py
         step 60 checks.log $PY -m fusedrnn.benchmark.gpu_checks
+        step 50 phases.log $PY -m fusedrnn.benchmark.gpu_phases --modes lstm,gru
+        FUSEDRNN_GPU_TILED_DH=1 step 50 phases-tiled-dh.log $PY -m fusedrnn.benchmark.gpu_phases \
+            --modes lstm,gru
         peers=fusedrnn,torch,torch-strict
         step 130 anchor-design.log $PY -m fusedrnn bench --device gpu --cases design-doc \
             --filter '^(lstm|gru) ' --peers $peers --repeats 3 --json "$OUT/anchor-design.json"
-        step 50 anchor-phases.log $PY -m fusedrnn.benchmark.gpu_phases --modes lstm,gru
         step 150 anchor-memory.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm,gru \
             --batches 20,256 --steps 0 --json "$OUT/anchor-memory.json"
         step 90 anchor-growth.log $PY -m fusedrnn.benchmark.gpu_memory --modes lstm \
@@ -173,7 +180,6 @@ case "$phase" in
             --repeats 3 --json "$OUT/seq2seq.json"
         step 90 anchor-batch.log $PY -m fusedrnn bench --device gpu --cases batch \
             --peers $peers --repeats 3 --json "$OUT/anchor-batch.json"
-        tar czf "$final/lease.tgz" -C "$OUT" .
         ;;
     *)
         echo "usage: bash bench/gpu_session.sh [tests|all-tests|bench-quick|bench|grid MODE|tiles|half|anchor|lease] [arguments]" >&2

@@ -203,7 +203,10 @@ def check_config(mode, input_size, state_size, num_layers, bidirectional, projec
     config = _check_config(*args)
     if len(_CONFIGS) >= 256:
         _CONFIGS.clear()
-    _CONFIGS[key] = config
+    try:
+        _CONFIGS[key] = config
+    except TypeError:   # a valid argument that cannot be hashed: not remembered
+        pass
     return config
 
 

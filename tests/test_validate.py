@@ -200,7 +200,7 @@ def test_a_remembered_config_never_answers_for_an_argument_of_another_type():
     """check_config remembers its results per argument values and types: after a good
     call, True for num_layers (equal to 1, and hashed alike) is still refused, and an
     unhashable argument still gets its own message."""
-    case, kw, _ = make_case("gru")
+    case, kw, _ = make_case("lstm")
     fusedrnn.RNN(**case, **kw)
     for bad, error in ((True, TypeError), (1.0, TypeError), ([1], TypeError)):
         with pytest.raises(error, match="num_layers: expected a positive int"):
@@ -213,7 +213,7 @@ def test_a_remembered_config_never_answers_for_an_argument_of_another_type():
 def test_bfloat16_is_told_apart_from_other_two_byte_voids():
     """The dtype's name decides (validate._array, through config.dtype_name's memory)."""
     import ml_dtypes
-    case, kw, _ = make_case("gru")
+    case, kw, _ = make_case("lstm")
     for dtype in (np.dtype("V2"), np.dtype(ml_dtypes.bfloat16), np.dtype("V2")):
         half = {k: None if v is None else v.astype(ml_dtypes.bfloat16).view(dtype)
                 for k, v in case.items()}

@@ -641,6 +641,25 @@ __host__ __device__ void backward_accumulate(const PersistentBackward<T>& p, con
   const int rows = GH - int(first) < int(p.chunk) ? GH - int(first) : int(p.chunk);
   const int groups = (N + R - 1) / R, span = (rows + S - 1) / S;
   const T* w_rows = w_s + first * U;
+  // One sample per task and no slices (the default plan): the same sums in the same order
+  // as the tiled loop below, whose predicated tile lanes cost ~3x the instructions per
+  // row at R = S = 1 (bench/results/gpu.md#the-backwards-dh-product-at-tile-1-1).
+#if !defined(FUSEDRNN_TILED_DH)   // (FUSEDRNN_GPU_TILED_DH=1, persistent.py: to compare)
+  if (R == 1 && S == 1) {
+    for (int task = int(tid); task < U * N; task += int(threads)) {
+      const int u = task / N, n = task % N;
+      if (int(block) * U + u >= H) continue;
+      T part[4] = {T(0), T(0), T(0), T(0)};
+      int r = 0;
+      for (; r + 4 <= rows; r += 4)
+FUSEDRNN_UNROLL
+        for (int q = 0; q < 4; ++q) part[q] += x_s[(r + q) * ldn + n] * w_rows[(r + q) * U + u];
+      for (; r < rows; ++r) part[0] += x_s[r * ldn + n] * w_rows[r * U + u];
+      part_s[u * ldn + n] += (part[0] + part[1]) + (part[2] + part[3]);
+    }
+    return;
+  }
+#endif
   for (int item = int(tid); item < S * U * groups; item += int(threads)) {
     const int ng = item % groups, u = (item / groups) % U, s = item / (groups * U);
     if (int(block) * U + u >= H) continue;

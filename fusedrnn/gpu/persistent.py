@@ -56,13 +56,16 @@ __all__ = ["PERSISTENT_KERNELS", "MAX_THREADS", "MAX_TILE", "DeviceLimits", "Per
 # libcudadevrt from a CUDA toolkit a pip install may lack: the kernels use no
 # cooperative_groups API, only a cooperative launch (_cupy_launcher).
 WIDE_STAGING_ENV = "FUSEDRNN_GPU_WIDE_STAGING"
+TILED_DH_ENV = "FUSEDRNN_GPU_TILED_DH"
 
 
 def build_options(environ=os.environ):
-    """The persistent kernels' own NVRTC options: FUSEDRNN_GPU_WIDE_STAGING=0 builds them
-    without persistent.cuh's 16-byte staging loads (stage_half_rows_wide), to time them
-    against; read when a process first builds the kernels."""
-    return ("-DFUSEDRNN_SCALAR_STAGING",) if environ.get(WIDE_STAGING_ENV) == "0" else ()
+    """The persistent kernels' own NVRTC options, each to time a form against the default;
+    read when a process first builds the kernels. FUSEDRNN_GPU_WIDE_STAGING=0: without
+    persistent.cuh's 16-byte staging loads (stage_half_rows_wide); FUSEDRNN_GPU_TILED_DH=1:
+    the backward's dh product on its tiled loop at tile (1, 1) too (backward_accumulate)."""
+    return ((("-DFUSEDRNN_SCALAR_STAGING",) if environ.get(WIDE_STAGING_ENV) == "0" else ())
+            + (("-DFUSEDRNN_TILED_DH",) if environ.get(TILED_DH_ENV) == "1" else ()))
 
 
 PERSISTENT_KERNELS = KernelFamily("persistent.cuh", "persistent_forward", "persistent_backward",

@@ -1,6 +1,7 @@
 """fusedrnn.cpu.threads: concurrent calls from many Python threads (no abort, results
 identical to serial), the threading layer chosen (OpenMP in a torch program, workqueue
 elsewhere), the parallel and serial builds of one kernel, and a forked child's calls."""
+import itertools
 import threading
 
 import numpy as np
@@ -25,9 +26,10 @@ def test_concurrent_calls_match_serial(monkeypatch):
     loops on their parallel builds (which calls this small would not take)."""
     from fusedrnn.cpu import fused
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)
-    cases = [make_case(mode, T=2 + i % 4, N=1 + i % 3, L=1 + i % 3, D=1 + i % 2, seed=i,
-                       dtype=np.float32)   # (the quick tier's kernels: conftest.py)
-             for i, mode in enumerate(QUICK_KERNELS["parallel"] * 4)]
+    modes = QUICK_KERNELS["parallel"]   # (the quick tier's kernels: conftest.py)
+    cases = [make_case(mode, T=2 + j % 4, N=1 + j % 3, L=1 + j % 3, D=1 + j % 2, seed=i,
+                       dtype=np.float32)   # each mode at every N and L
+             for i, (j, mode) in enumerate(itertools.product(range(4), modes))]
 
     def run(case, kw, heads):
         *outs, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)

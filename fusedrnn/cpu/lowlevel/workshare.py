@@ -42,21 +42,30 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def new_counters(steps, workers):
-    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines: a view
-    of the calling thread's buffer, which a launch holds only until it returns (a fresh
-    aligned array cost more than a small call's kernel)."""
+    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines. Small
+    ones are a view of the calling thread's buffer (a fresh aligned array cost more than a
+    small call's kernel): the caller takes them just before its launch, which holds them
+    only until it returns."""
     stride = LINE * (-(-workers // LINE) + 1)
     size = steps * stride
+    if size > SPARE:
+        return _aligned(size).reshape(steps, stride)
     flat = getattr(_spare, "flat", None)
-    if flat is None or flat.shape[0] < size:
-        raw = np.empty(size + LINE, np.int64)
-        skip = (-raw.ctypes.data % (LINE * 8)) // 8
-        flat = _spare.flat = raw[skip:skip + size]
+    if flat is None:
+        flat = _spare.flat = _aligned(SPARE)
     counters = flat[:size].reshape(steps, stride)
     counters.fill(0)
     return counters
 
 
+def _aligned(size):
+    """Zeroed int64s starting on a 64-byte line."""
+    raw = np.zeros(size + LINE, np.int64)
+    skip = (-raw.ctypes.data % (LINE * 8)) // 8
+    return raw[skip:skip + size]
+
+
+SPARE = 4096   # int64s of each thread's buffer: 32 KiB, up to T=256 at 16 workers
 _spare = threading.local()
 
 
