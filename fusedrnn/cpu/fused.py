@@ -731,7 +731,7 @@ class FusedLayer:
         serial = N * GH * (H + K) <= SERIAL_WORK
         kernel = pick(self._forward_single, self._forward_single_serial, serial)
         w_x, w_h = self._weight(w_x), self._weight(w_h)
-        share = _workshare(1, tiles.shape[0], serial)   # (after _weight: new_counters)
+        share = _workshare(1, tiles.shape[0], serial)
         w_rows = self._no_rows
         if w_x.dtype == np.uint16:
             w_rows = scratch.w_rows.view(np.uint32)

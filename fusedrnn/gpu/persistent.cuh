@@ -642,8 +642,8 @@ __host__ __device__ void backward_accumulate(const PersistentBackward<T>& p, con
   const int groups = (N + R - 1) / R, span = (rows + S - 1) / S;
   const T* w_rows = w_s + first * U;
   // One sample per task and no slices (the default plan): the same sums in the same order
-  // as the tiled loop below, whose predicated tile lanes cost ~3x the instructions per
-  // row at R = S = 1 (bench/results/gpu.md#the-backwards-dh-product-at-tile-1-1).
+  // as the tiled loop below, whose predicated tile lanes take several times the
+  // instructions per row at R = S = 1 (bench/results/gpu.md#the-backwards-dh-product-at-tile-1-1).
 #if !defined(FUSEDRNN_TILED_DH)   // (FUSEDRNN_GPU_TILED_DH=1, persistent.py: to compare)
   if (R == 1 && S == 1) {
     for (int task = int(tid); task < U * N; task += int(threads)) {

@@ -42,10 +42,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def new_counters(steps, workers):
-    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines. Small
-    ones are a view of the calling thread's buffer (a fresh aligned array cost more than a
-    small call's kernel): the caller takes them just before its launch, which holds them
-    only until it returns."""
+    """Zeroed (steps, stride) int64 counters for one launch, rows on 64-byte lines; small
+    ones a view of this thread's buffer, held by the launch that follows until it returns."""
     stride = LINE * (-(-workers // LINE) + 1)
     size = steps * stride
     if size > SPARE:
