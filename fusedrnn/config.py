@@ -188,6 +188,7 @@ def _bool(name, value):
 
 
 _CONFIGS: dict = {}   # check_config's results by its arguments and their types
+_DTYPE_NAMES: dict = {}   # dtype_name's
 
 
 def check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):
@@ -220,9 +221,6 @@ def dtype_name(dtype) -> str:
             _DTYPE_NAMES.clear()
         name = _DTYPE_NAMES[dtype] = dtype.name
         return name
-
-
-_DTYPE_NAMES: dict = {}
 
 
 def _check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size):

@@ -20,7 +20,7 @@ def model(mode):
 
 
 # The compiled training run against eager (float32, both on the same GPU kernels): the
-# losses and parameters after 3 SGD steps agree to float32 rounding of a few ops' order.
+# losses and parameters after three SGD steps agree to float32 rounding of a few ops' order.
 TOLERANCE = 1e-5
 
 

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from ..config import TORCH_CALLER
+from ..config import TORCH_CALLER, dtype_name
 from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numba layer first)
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
@@ -150,7 +150,7 @@ class CpuBackend:
         same = a.dtype == b.dtype == out.dtype
         # (on pairs b may also be bfloat16: a training's layer-0 data, read in place)
         if pairs is not None and a.dtype == out.dtype == np.float32 and \
-                b.dtype.name in ("float32", "bfloat16") and out.flags.c_contiguous and \
+                dtype_name(b.dtype) in ("float32", "bfloat16") and out.flags.c_contiguous and \
                 a.strides[1] == 4 and b.strides[1] == b.itemsize:
             return _pair_product(a, b, out, transpose_a, pairs, a_paired)
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
@@ -172,7 +172,7 @@ class CpuBackend:
         and float16 <-> float32 run on Numba's threads (numpy's and ml_dtypes' casts are
         single-threaded); the rest is numpy's."""
         dtype = np.dtype(dtype)
-        pair = (array.dtype.name, dtype.name)
+        pair = (dtype_name(array.dtype), dtype_name(dtype))
         if out is None:
             out = np.empty(array.shape, dtype)
         elif not out.flags.c_contiguous:   # (a reshaped copy would drop the result)

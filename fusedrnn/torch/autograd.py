@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import op
-from ..config import CELLS, TORCH_CALLER, check_config
+from ..config import CELLS, TORCH_CALLER, check_config, dtype_name
 from ..validate import check_scalars
 
 __all__ = ["rnn", "to_array", "to_tensor"]
@@ -56,7 +56,7 @@ def to_array(tensor):
 def to_tensor(array):
     if array is None:
         return None
-    if array.dtype.name == "bfloat16":   # numpy's (ml_dtypes), no DLPack code
+    if dtype_name(array.dtype) == "bfloat16":   # numpy's (ml_dtypes), no DLPack code
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(array)
 

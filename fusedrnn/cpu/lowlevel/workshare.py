@@ -63,7 +63,7 @@ def _aligned(size):
     return raw[skip:skip + size]
 
 
-SPARE = 4096   # int64s of each thread's buffer: 32 KiB, up to T=256 at 16 workers
+SPARE = 4096   # int64s in each thread's buffer: the counters of T=256 at 16 workers
 _spare = threading.local()
 
 
