@@ -10,7 +10,7 @@ import pytest
 import fusedrnn
 from fusedrnn.cpu import CpuBackend
 
-from conftest import MODES, POISONED_NUMPY, make_case, rel_err
+from conftest import MODES, POISONED_NUMPY, make_case, rel_err, tolerance
 from reference import rnn_reference
 
 
@@ -61,20 +61,22 @@ def fault(monkeypatch):
 @pytest.mark.parametrize("at", [0, 1, 3])   # of L*D = 4 launches (one per layer and direction)
 @pytest.mark.parametrize("mode", MODES)
 def test_fault_in_forward_leaves_the_cache_usable(fault, mode, at, T):
-    case, kw, _ = make_case(mode, T=T, L=2, D=2, seed=at)
+    # (float32: the kernels every mode's other quick tests compile)
+    case, kw, _ = make_case(mode, T=T, L=2, D=2, seed=at, dtype=np.float32)
     fault["launch"] = at
     with pytest.raises(Injected):
         fusedrnn.RNN(**case, **kw, state_outputs=True)
     out, hy, *cy = fusedrnn.RNN(**case, **kw, state_outputs=True)
     ref = rnn_reference(**case, **kw)
-    assert rel_err(out, ref[0]) <= 1e-10 and rel_err(hy, ref[1]) <= 1e-10
+    tol = tolerance(np.float32)
+    assert rel_err(out, ref[0]) <= tol and rel_err(hy, ref[1]) <= tol
     assert fusedrnn.cache_info().entries == 1
 
 
 @pytest.mark.parametrize("at", [0, 2, 3])   # of L*D = 4 backward launches
 @pytest.mark.parametrize("mode", MODES)
 def test_fault_in_backward_can_be_retried(fault, mode, at):
-    case, kw, heads = make_case(mode, L=2, D=2, seed=at)
+    case, kw, heads = make_case(mode, L=2, D=2, seed=at, dtype=np.float32)
     *_, expected_handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
     expected = fusedrnn.rnn_backward(expected_handle, **heads)
     *_, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)

@@ -189,12 +189,12 @@ def test_longer_and_wider(dtype, mode):
 
 
 @pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("T", [1, 2])
-def test_single_steps(dtype, T):
+def test_single_steps(dtype, mode, T):
     """T=1 runs the single-step kernels."""
-    for mode in MODES:
-        case, kw, heads = make_case(mode, T=T, N=5, I=9, H=33, seed=T)
-        check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
+    case, kw, heads = make_case(mode, T=T, N=5, I=9, H=33, seed=T)
+    check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
 
 
 @pytest.mark.parametrize("dtype", list(HALF))

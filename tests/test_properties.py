@@ -18,12 +18,13 @@ op still runs on NaN-poisoned buffers, and a cached op reused with different opt
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fusedrnn
 
-from conftest import CELLS, MODES, rel_err, tolerance
+from conftest import CELLS, MODES, QUICK_KERNELS, rel_err, tolerance
 from reference import param_count, rnn_reference
 
 # The autouse poisoning fixture is function-scoped; hypothesis warns that it is not reset
@@ -58,7 +59,8 @@ class Config:
 
 
 @st.composite
-def configs(draw, modes=MODES):
+def configs(draw, modes=MODES, float64_modes=MODES):
+    """A Config; float64 is drawn for float64_modes only (float32 for the others)."""
     mode = draw(st.sampled_from(modes))
     T, N = draw(st.integers(1, 6)), draw(st.integers(1, 4))
     I, H = draw(st.integers(1, 5)), draw(st.integers(1, 6))
@@ -77,7 +79,8 @@ def configs(draw, modes=MODES):
         lengths = tuple(draw(st.lists(st.integers(1, T), min_size=N, max_size=N)))
     return Config(mode=mode, T=T, N=N, I=I, H=H, L=draw(st.integers(1, 3)),
                   D=draw(st.sampled_from([1, 2])),
-                  dtype=draw(st.sampled_from([np.float32, np.float64])),
+                  dtype=draw(st.sampled_from([np.float32, np.float64]))
+                  if mode in float64_modes else np.float32,
                   states=draw(st.booleans()), state_outputs=draw(st.booleans()),
                   P=P, clip=clip, lengths=lengths,
                   lengths_dtype=draw(st.sampled_from([np.int32, np.int64])),
@@ -216,9 +219,22 @@ def check_training(cfg):
 # first option ("no projection", "no clipping", a low mode index) more often than uniform,
 # so the LSTM features (projection x clipping x lengths x layers x directions) get a
 # strategy of their own to be covered well (roughly 1/3 of LSTM draws project, 1/3 clip).
+# The quick tier draws float64 for the modes of its float64 kernels (conftest's
+# QUICK_KERNELS; each mode's float64 kernels compile for seconds on a cold clone), the
+# exhaustive tier's twins float64 for every mode.
+QUICK_FLOAT64 = QUICK_KERNELS["float64"]
+
+
 @settings(max_examples=400, **SETTINGS)
-@given(cfg=configs())
+@given(cfg=configs(float64_modes=QUICK_FLOAT64))
 def test_inference_matches_reference(cfg):
+    check_inference(cfg)
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=200, **SETTINGS)
+@given(cfg=configs(float64_modes=MODES))
+def test_inference_matches_reference_float64_every_mode(cfg):
     check_inference(cfg)
 
 
@@ -229,8 +245,15 @@ def test_lstm_features_inference_matches_reference(cfg):
 
 
 @settings(max_examples=200, **SETTINGS)
-@given(cfg=configs())
+@given(cfg=configs(float64_modes=QUICK_FLOAT64))
 def test_training_forward_equals_inference_and_gradients_are_sane(cfg):
+    check_training(cfg)
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=150, **SETTINGS)
+@given(cfg=configs(float64_modes=MODES))
+def test_training_float64_every_mode(cfg):
     check_training(cfg)
 
 

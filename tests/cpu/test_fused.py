@@ -221,8 +221,8 @@ def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
     """float32 projects on the micro-kernel (project() runs, its panels are carved);
     float64 too where the tiles are 512 bits wide, else it leaves the GEMM to numpy
     (project() never runs, no panels carved)."""
-    layer = fused_layer("gru", dtype)
-    config = RNNConfig(mode="gru", state_size=20, num_layers=2, input_size=9,
+    layer = fused_layer("lstm", dtype)
+    config = RNNConfig(mode="lstm", state_size=20, num_layers=2, input_size=9,
                        bidirectional=True)
     shapes = layer.forward_scratch(config, 5, 3)
     own = dtype == np.float32 or VECTOR_BITS == 512
@@ -231,7 +231,7 @@ def test_input_projection_owner_and_its_scratch(monkeypatch, dtype):
     calls, real = [], FusedLayer.project
     monkeypatch.setattr(FusedLayer, "project",
                         lambda self, *args: calls.append(1) or real(self, *args))
-    case, kw, _ = make_case("gru", T=5, N=3, I=9, H=20, L=2, D=2, dtype=dtype)
+    case, kw, _ = make_case("lstm", T=5, N=3, I=9, H=20, L=2, D=2, dtype=dtype)
     fusedrnn.clear_cache()
     fusedrnn.RNN(**case, **kw)
     assert len(calls) == (2 if own else 0)   # one per layer

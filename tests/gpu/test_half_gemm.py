@@ -14,7 +14,6 @@ from test_host_emulation import _projected_case
 from test_precision import HALF, assert_within, longest_product, rounded
 
 from fusedrnn.config import CELLS, CallOptions
-from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import GpuBackend, halfgemm
 from fusedrnn.gpu.persistent import DeviceLimits
 
@@ -25,6 +24,7 @@ from host_backend import (
     build_harness,
     host_gemm_ex,
     host_narrow,
+    reference,
     run_stored_as,
     run_training,
 )
@@ -272,7 +272,8 @@ def _check(harness, mode, dtype, persistent=None, opts=CallOptions(), L=1, D=1, 
     half_heads, exact_heads = rounded(heads, dtype)
     backend = HostCudaBackend(harness, persistent=persistent, half_gemms=True)
     got = run_training(backend, half, kw, half_heads, dtype, opts, projection_size)
-    want = run_training(CPU, exact, kw, exact_heads, np.float64, opts, projection_size)
+    want = run_training(reference(np.float64), exact, kw, exact_heads, np.float64, opts,
+                        projection_size)
     cell_state = CELLS[mode].has_cell_state
     names = [n for n in NAMES if cell_state or not n.startswith(("cy", "dstate_cell"))]
     if projection_size:

@@ -1,19 +1,18 @@
 """The persistent kernels (fusedrnn/gpu/persistent.cuh) without a GPU: built for the host
 and run phase by phase (host_harness.cpp) through the GPU backend's own plan, argument
 packing and layer object, inside the shared recurrence; every result must equal the CPU
-backend. Also the selection rule. What this cannot cover: real concurrency (the
+backend's (float64: its first tier, host_backend.reference). Also the selection rule. What this cannot cover: real concurrency (the
 barriers are loop boundaries here), shared-memory capacity and speed; those need
 tests/gpu/test_parity.py on a GPU with FUSEDRNN_GPU_PERSISTENT=1."""
 import numpy as np
 import pytest
 
 from fusedrnn.config import CELLS, CallOptions
-from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
 
 from conftest import MODES, make_case, rel_err
-from host_backend import HostCudaBackend, build_harness, run_training
+from host_backend import HostCudaBackend, build_harness, reference, run_training
 
 H100 = DeviceLimits(sm_count=132, smem_per_block=227 * 1024)
 # Small "devices" that split H=9 units unevenly over blocks (last block partly idle).
@@ -32,7 +31,7 @@ def _check(harness, case, kw, heads, dtype, opts=CallOptions(), limits=TWO_SMS, 
     backend = HostCudaBackend(harness, persistent=limits, threads=threads, chunk=chunk,
                               tile=tile, slices=slices)
     got = run_training(backend, case, kw, heads, dtype, opts)
-    want = run_training(CPU, case, kw, heads, dtype, opts)
+    want = run_training(reference(dtype), case, kw, heads, dtype, opts)
     # Every layer and direction went through the persistent kernels: forward twice
     # (training, inference) and backward once.
     assert len(backend.launches) == 3 * kw["num_layers"] * (2 if kw["bidirectional"] else 1)

@@ -14,12 +14,11 @@ import pytest
 from test_precision import HALF, assert_within, clear_of_the_kink, longest_product, rounded
 
 from fusedrnn.config import CELLS, CallOptions
-from fusedrnn.cpu import BACKEND as CPU
 from fusedrnn.gpu import persistent
 from fusedrnn.gpu.persistent import DeviceLimits, persistent_plan
 
 from conftest import MODES, make_case
-from host_backend import HostCudaBackend, build_harness, run_stored_as, run_training
+from host_backend import HostCudaBackend, build_harness, reference, run_stored_as, run_training
 
 # Small "devices" of compute capability 9.0: H=9 or 40 units split unevenly over blocks.
 TWO_SMS, FOUR_SMS = DeviceLimits(2, 1 << 20, 90), DeviceLimits(4, 1 << 20, 90)
@@ -52,7 +51,7 @@ def _check(harness, mode, dtype, limits=TWO_SMS, opts=CallOptions(), chunk=None,
     backend = HostCudaBackend(harness, persistent=limits, chunk=chunk, threads=threads,
                               mma_slices=mma_slices)
     got = run_training(backend, half, kw, half_heads, dtype, opts)
-    want = run_training(CPU, exact, kw, exact_heads, np.float64, opts)
+    want = run_training(reference(np.float64), exact, kw, exact_heads, np.float64, opts)
     assert len(backend.launches) == 3 * L * D   # every layer and direction ran persistent
     assert len(got) == len(want)
     cell_state = CELLS[mode].has_cell_state
