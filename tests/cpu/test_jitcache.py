@@ -33,7 +33,7 @@ def test_package_kernels_use_our_locator():
                packing._pack_recurrent_serial, packing._pack_recurrent_rows_serial,
                layer._forward, layer._forward_single, layer._backward,
                layer._forward_single_serial, layer._backward_serial,
-               *(launch.kernel for launch in cells.cell_kernels("gru", np.float64))]
+               *(launch.kernel for launch in cells.cell_kernels("gru", np.float32))]
     for kernel in kernels:
         locator = kernel._cache._impl._locator
         assert isinstance(locator, jitcache.LOCATORS), (kernel, type(locator))

@@ -291,7 +291,7 @@ def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_thread
 def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller):
     token = TORCH_CALLER.set(_StandIn() if caller == "torch" else None)
     try:
-        case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2)
+        case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2, dtype=np.float32)
         out, handle = fusedrnn.RNN(**case, **kw, train=True)
         fusedrnn.rnn_backward(handle, heads["dout"])
     finally:
