@@ -134,9 +134,9 @@ def lowlevel_builds(request, monkeypatch):
 # clone compiles every one it touches (seconds each), so the quick tier's cases keep to
 # QUICK_KERNELS: every mode in float32 (and float16, which runs float32's kernels); on the
 # parallel builds LSTM and GRU, no float64 (a parallel build is its serial twin with the
-# workers' loop a prange: the one-gate modes' paired blocks are checked on the serial
-# builds, every call this small runs); one mode each for float64, bfloat16 and the
-# serial builds. The rest, and the tests in EXHAUSTIVE_ONLY, are marked exhaustive
+# workers' loop a prange: the quick tier checks the one-gate modes' paired blocks on the
+# serial builds, and several workers claiming them in the exhaustive tier); one mode each
+# for float64's single steps and cells, bfloat16 and the serial builds. The rest, and the tests in EXHAUSTIVE_ONLY, are marked exhaustive
 # (.ci/run runs them after the quick tier).
 QUICK_CASES = 4
 QUICK_KERNELS = {"float64": ("lstm",), "bfloat16": ("gru",), "serial": ("gru",),
@@ -176,6 +176,7 @@ EXHAUSTIVE_ONLY = {
     # read-only arrays at T=1: a specialisation of the float64 single step of its own (the
     # T > 1 and per-step cases stay quick)
     "tests/test_op.py::test_read_only_inputs_give_the_results_of_writable_ones[1-None]",
+    "tests/cpu/test_threads.py::test_concurrent_calls_match_serial[every]",
     # the kernels' timing instrumentation, compiled as the plain build is
     "tests/gpu/test_compile.py::test_nvcc_compiles_every_persistent_kernel[sm_90-phase-clocks]",
     "tests/gpu/test_compile.py::test_nvrtc_compiles_every_persistent_kernel_as_cupy_does"

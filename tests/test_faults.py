@@ -57,26 +57,27 @@ def fault(monkeypatch):
     return state
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("T", [4, 1], ids=["T=4", "T=1"])   # T=1: FusedLayer.forward_single
 @pytest.mark.parametrize("at", [0, 1, 3])   # of L*D = 4 launches (one per layer and direction)
 @pytest.mark.parametrize("mode", MODES)
-def test_fault_in_forward_leaves_the_cache_usable(fault, mode, at, T):
-    # (float32: the kernels every mode's other quick tests compile)
-    case, kw, _ = make_case(mode, T=T, L=2, D=2, seed=at, dtype=np.float32)
+def test_fault_in_forward_leaves_the_cache_usable(fault, mode, at, T, dtype):
+    case, kw, _ = make_case(mode, T=T, L=2, D=2, seed=at, dtype=dtype)
     fault["launch"] = at
     with pytest.raises(Injected):
         fusedrnn.RNN(**case, **kw, state_outputs=True)
     out, hy, *cy = fusedrnn.RNN(**case, **kw, state_outputs=True)
     ref = rnn_reference(**case, **kw)
-    tol = tolerance(np.float32)
+    tol = tolerance(dtype)
     assert rel_err(out, ref[0]) <= tol and rel_err(hy, ref[1]) <= tol
     assert fusedrnn.cache_info().entries == 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("at", [0, 2, 3])   # of L*D = 4 backward launches
 @pytest.mark.parametrize("mode", MODES)
-def test_fault_in_backward_can_be_retried(fault, mode, at):
-    case, kw, heads = make_case(mode, L=2, D=2, seed=at, dtype=np.float32)
+def test_fault_in_backward_can_be_retried(fault, mode, at, dtype):
+    case, kw, heads = make_case(mode, L=2, D=2, seed=at, dtype=dtype)
     *_, expected_handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)
     expected = fusedrnn.rnn_backward(expected_handle, **heads)
     *_, handle = fusedrnn.RNN(**case, **kw, state_outputs=True, train=True)

@@ -49,26 +49,27 @@ def test_one_forward_step_matches_reference_cell(mode, dtype):
     assert not np.isnan(saved).any()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mode", MODES)
-def test_backward_step_allows_carry_aliasing(mode):
+def test_backward_step_allows_carry_aliasing(mode, dtype):
     """dh_carry_out / dc_carry_out may be dh_carry_in / dc_carry_in: same result as
-    separate buffers. (float32: the kernels the tests above compile.)"""
-    rng, f32 = np.random.default_rng(5), np.float32
+    separate buffers."""
+    rng = np.random.default_rng(5)
     N, H = 4, 3
     spec = CELLS[mode]
     GH = spec.gates * H
-    _, backward = cell_kernels(mode, f32)
-    inputs = [rng.uniform(0.1, 0.9, (N, H)).astype(f32) for _ in range(7)]  # dy .. c_t
-    saved = rng.uniform(0.1, 0.9, (N, spec.saved * H)).astype(f32)
-    empty = np.empty((0, 0), f32)
+    _, backward = cell_kernels(mode, dtype)
+    inputs = [rng.uniform(0.1, 0.9, (N, H)).astype(dtype) for _ in range(7)]  # dy .. c_t
+    saved = rng.uniform(0.1, 0.9, (N, spec.saved * H)).astype(dtype)
+    empty = np.empty((0, 0), dtype)
     lstm = spec.has_cell_state
     results = []
     for alias in (False, True):
         dy, dh_rec, h_carry, c_carry, h_prev, c_prev, c_t = (a.copy() for a in inputs)
         h_out = h_carry if alias else np.full_like(h_carry, np.nan)
         c_out = c_carry if alias else np.full_like(c_carry, np.nan)
-        dgx = np.full((N, GH), np.nan, f32)
-        dgh = np.full((N, GH), np.nan, f32) if spec.split_gate_grads else empty
+        dgx = np.full((N, GH), np.nan, dtype)
+        dgh = np.full((N, GH), np.nan, dtype) if spec.split_gate_grads else empty
         backward(dy, dh_rec, h_carry, c_carry if lstm else empty, saved, h_prev, c_prev, c_t,
                  dgx, dgh, h_out, c_out if lstm else empty, ALL_ACTIVE, 0, 0.0, 0.0, 0)
         results.append((dgx, dgh, h_out, c_out if lstm else empty))
