@@ -3,6 +3,7 @@ argument, what was expected and what came, before any backend sees it. The confi
 own arguments are checked by config.check_config, which this calls."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -82,11 +83,9 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
     if min(data.shape) < 1:
         raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
     cfg = check_config(mode, data.shape[2], state_size, num_layers, bidirectional, projection_size)
-    state_outputs = _bool("state_outputs", state_outputs)
-    check_scalars(cfg, p=p, train=train, lstm_state_clip_min=lstm_state_clip_min,
-                  lstm_state_clip_max=lstm_state_clip_max,
-                  lstm_state_clip_nan=lstm_state_clip_nan,
-                  use_sequence_length=use_sequence_length, seed=seed)
+    state_outputs, options = _scalars(cfg, state_outputs, p, train, lstm_state_clip_min,
+                                      lstm_state_clip_max, lstm_state_clip_nan,
+                                      use_sequence_length, seed)
 
     T, N, _ = data.shape
     LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
@@ -114,12 +113,40 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
     elif state_cell is not None:
         raise ValueError(f"state_cell: only mode={modes_with('has_cell_state')} has a cell state, "
                          f"got one for mode={cfg.mode!r}")
-    options = CallOptions(
-        lengths=_check_lengths(backend, data, sequence_length, use_sequence_length),
-        **_check_clip(cfg, lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan),
-        dropout=float(p) if train and cfg.num_layers > 1 else 0.0,
-        seed=_check_seed(seed))
+    lengths = _check_lengths(backend, data, sequence_length, use_sequence_length)
+    if lengths is not None:
+        options = dataclasses.replace(options, lengths=lengths)
     return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, options)
+
+
+_SCALARS: dict = {}   # _scalars' results by config, argument values and their types
+
+
+def _scalars(cfg, state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length,
+             seed):
+    """(state_outputs, the CallOptions but lengths) of a call's scalar arguments, checked
+    by check_scalars' rules; remembered per config, values and types like check_config's
+    results, since a program passes the same few again at every call."""
+    args = (state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length, seed)
+    key = (cfg, *((type(a), a) for a in args))
+    try:
+        return _SCALARS[key]
+    except (KeyError, TypeError):   # (TypeError: an unhashable argument, refused below)
+        pass
+    state_outputs = _bool("state_outputs", state_outputs)
+    check_scalars(cfg, p=p, train=train, lstm_state_clip_min=clip_min,
+                  lstm_state_clip_max=clip_max, lstm_state_clip_nan=clip_nan,
+                  use_sequence_length=use_sequence_length, seed=seed)
+    result = state_outputs, CallOptions(
+        **_check_clip(cfg, clip_min, clip_max, clip_nan),
+        dropout=float(p) if train and cfg.num_layers > 1 else 0.0, seed=_check_seed(seed))
+    if len(_SCALARS) >= 256:
+        _SCALARS.clear()
+    try:
+        _SCALARS[key] = result
+    except TypeError:   # a valid argument that cannot be hashed: not remembered
+        pass
+    return result
 
 
 def check_scalars(cfg, *, p, train, lstm_state_clip_min, lstm_state_clip_max,

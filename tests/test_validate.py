@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 import fusedrnn
+from fusedrnn.cpu import BACKEND
+from fusedrnn.validate import check_call
 
 from conftest import make_case, param_count, rel_err
 from reference import rnn_reference
@@ -208,6 +210,35 @@ def test_a_remembered_config_never_answers_for_an_argument_of_another_type():
     with pytest.raises(TypeError, match="bidirectional: expected a bool"):
         fusedrnn.RNN(**case, **dict(kw, bidirectional=0))
     fusedrnn.RNN(**case, **kw)
+
+
+def test_remembered_scalars_never_answer_for_another_type_or_config():
+    """The scalar arguments' checks are remembered per config, values and types: after good
+    calls, 1 for a bool and True for p are still refused, a clip range is still refused for
+    GRU after LSTM took it, and a remembered p still gives dropout only where it applies."""
+    case, kw, _ = make_case("lstm", L=2)
+    clip = dict(lstm_state_clip_min=-1.0, lstm_state_clip_max=1.0)
+    fusedrnn.RNN(**case, **kw, **clip, state_outputs=True, train=False, p=0.0)
+    for name, bad in (("state_outputs", 1), ("train", 1), ("lstm_state_clip_nan", 0)):
+        with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+            fusedrnn.RNN(**case, **kw, **clip, **{name: bad})
+    with pytest.raises(TypeError, match="p: expected a float"):
+        fusedrnn.RNN(**case, **kw, p=True)
+    with pytest.raises(TypeError, match="lstm_state_clip_min: expected a float"):
+        fusedrnn.RNN(**case, **kw, **dict(clip, lstm_state_clip_min=[1]))
+    gru_case, gru_kw, _ = make_case("gru", L=2)
+    with pytest.raises(ValueError, match="only mode='lstm' has a cell state to clip"):
+        fusedrnn.RNN(**gru_case, **gru_kw, **clip)
+    call = check_call(BACKEND, case["data"], case["parameters"], None, None, None, **kw,
+                      p=0.25, state_outputs=False, projection_size=None,
+                      lstm_state_clip_min=None, lstm_state_clip_max=None,
+                      lstm_state_clip_nan=False, use_sequence_length=False, train=False)
+    assert call.options.dropout == 0.0   # (inference: no dropout)
+    call = check_call(BACKEND, case["data"], case["parameters"], None, None, None, **kw,
+                      p=0.25, state_outputs=False, projection_size=None,
+                      lstm_state_clip_min=None, lstm_state_clip_max=None,
+                      lstm_state_clip_nan=False, use_sequence_length=False, train=True)
+    assert call.options.dropout == 0.25
 
 
 def test_bfloat16_is_told_apart_from_other_two_byte_voids():
