@@ -196,19 +196,24 @@ def check_config(mode, input_size, state_size, num_layers, bidirectional, projec
     Remembered per argument values and types (True is not 1 here), since every call checks
     the same few configurations again."""
     args = (mode, input_size, state_size, num_layers, bidirectional, projection_size)
-    key = tuple((type(a), a) for a in args)
+    return remembered(_CONFIGS, tuple((type(a), a) for a in args), lambda: _check_config(*args))
+
+
+def remembered(table, key, make):
+    """make()'s result, kept in `table` (a dict of at most 256 entries) under `key`; a key
+    that cannot be hashed is not kept (make() refuses it, or its result is not stored)."""
     try:
-        return _CONFIGS[key]
-    except (KeyError, TypeError):   # (TypeError: an unhashable argument, refused below)
+        return table[key]
+    except (KeyError, TypeError):
         pass
-    config = _check_config(*args)
-    if len(_CONFIGS) >= 256:
-        _CONFIGS.clear()
+    value = make()
+    if len(table) >= 256:
+        table.clear()
     try:
-        _CONFIGS[key] = config
-    except TypeError:   # a valid argument that cannot be hashed: not remembered
+        table[key] = value
+    except TypeError:
         pass
-    return config
+    return value
 
 
 def dtype_name(dtype) -> str:

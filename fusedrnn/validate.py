@@ -17,6 +17,7 @@ from .config import (
     check_config,
     dtype_name,
     modes_with,
+    remembered,
 )
 from .layout import expected_size
 
@@ -128,25 +129,16 @@ def _scalars(cfg, state_outputs, p, train, clip_min, clip_max, clip_nan, use_seq
     by check_scalars' rules; remembered per config, values and types like check_config's
     results, since a program passes the same few again at every call."""
     args = (state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length, seed)
-    key = (cfg, *((type(a), a) for a in args))
-    try:
-        return _SCALARS[key]
-    except (KeyError, TypeError):   # (TypeError: an unhashable argument, refused below)
-        pass
-    state_outputs = _bool("state_outputs", state_outputs)
-    check_scalars(cfg, p=p, train=train, lstm_state_clip_min=clip_min,
-                  lstm_state_clip_max=clip_max, lstm_state_clip_nan=clip_nan,
-                  use_sequence_length=use_sequence_length, seed=seed)
-    result = state_outputs, CallOptions(
-        **_check_clip(cfg, clip_min, clip_max, clip_nan),
-        dropout=float(p) if train and cfg.num_layers > 1 else 0.0, seed=_check_seed(seed))
-    if len(_SCALARS) >= 256:
-        _SCALARS.clear()
-    try:
-        _SCALARS[key] = result
-    except TypeError:   # a valid argument that cannot be hashed: not remembered
-        pass
-    return result
+
+    def check():
+        outputs = _bool("state_outputs", state_outputs)
+        check_scalars(cfg, p=p, train=train, lstm_state_clip_min=clip_min,
+                      lstm_state_clip_max=clip_max, lstm_state_clip_nan=clip_nan,
+                      use_sequence_length=use_sequence_length, seed=seed)
+        return outputs, CallOptions(
+            **_check_clip(cfg, clip_min, clip_max, clip_nan),
+            dropout=float(p) if train and cfg.num_layers > 1 else 0.0, seed=_check_seed(seed))
+    return remembered(_SCALARS, (cfg, *((type(a), a) for a in args)), check)
 
 
 def check_scalars(cfg, *, p, train, lstm_state_clip_min, lstm_state_clip_max,
