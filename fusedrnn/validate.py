@@ -3,9 +3,8 @@ argument, what was expected and what came, before any backend sees it. The confi
 own arguments are checked by config.check_config, which this calls."""
 from __future__ import annotations
 
-import dataclasses
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import (
     CLIP,
@@ -116,7 +115,7 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
                          f"got one for mode={cfg.mode!r}")
     lengths = _check_lengths(backend, data, sequence_length, use_sequence_length)
     if lengths is not None:
-        options = dataclasses.replace(options, lengths=lengths)
+        options = replace(options, lengths=lengths)
     return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, options)
 
 

@@ -184,8 +184,8 @@ def _plan(gates, hidden, batch, itemsize, limits, tile, slices, units, blocks, l
     # product_phase).
     partials = slices * units * gates * ldn if (tile, slices) != (1, 1) else 0
     forward_smem = (hidden * gates * units + hidden * ldn + partials) * itemsize
-    # The backward stages up to 512 exchange rows at a time (a chunk of ~40 KB at N=20
-    # float32), fewer where the W_h columns leave less room; at least 32.
+    # The backward stages up to MAX_CHUNK exchange rows (of ldn values each) at a time,
+    # fewer where the W_h columns leave less shared memory; at least 32.
     fixed = (gates * hidden * units + slices * units * ldn) * itemsize
     chunk = min(gates * hidden, MAX_CHUNK, (limits.smem_per_block - fixed) // (ldn * itemsize))
     if forward_smem > limits.smem_per_block or chunk < min(32, gates * hidden):

@@ -21,14 +21,14 @@ def test_threading_layer_is_guarded_when_not_threadsafe():
         assert isinstance(threads.LAUNCH_LOCK, type(threading.Lock()))
 
 
-@pytest.mark.parametrize("modes", ["quick", "every"])
-def test_concurrent_calls_match_serial(monkeypatch, modes):
+@pytest.mark.parametrize("kernels", ["quick", "every"])
+def test_concurrent_calls_match_serial(monkeypatch, kernels):
     """8 threads x 200 calls of mixed modes and shapes, training forward + backward, the
     loops on their parallel builds (which calls this small would not take)."""
     from fusedrnn.cpu import fused
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)
     # (the quick tier's parallel kernels, conftest.py; "every" mode in the exhaustive tier)
-    modes = QUICK_KERNELS["parallel"] if modes == "quick" else MODES
+    modes = QUICK_KERNELS["parallel"] if kernels == "quick" else MODES
     cases = [make_case(mode, T=2 + j % 4, N=1 + j % 3, L=1 + j % 3, D=1 + j % 2, seed=i,
                        dtype=np.float32)   # each mode at every N and L
              for i, (j, mode) in enumerate(itertools.product(range(4), modes))]
