@@ -20,7 +20,8 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
     lengths (N,) int64      in   per-sample lengths, (0,) for all T; past it: carry, y = 0
     clip    (lo, hi, flags)      LSTM cell-state clipping, in the data's dtype (cells.py)
     single  (x, w_x, w_h, x_cols, h_cols, w_rows)   the T=1 form's (forward_single); each
-                                 empty (FusedLayer._no_single) for T > 1
+                                 empty (FusedLayer._no_single) for T > 1; x_cols and
+                                 h_cols empty at T=1: the products by rows (row_dots)
     half    (h16, wpairs, x16, wxpairs, bias_rows)   the bf16 layer's; each empty
                                  (FusedLayer._no_half) else:
       h16, wpairs                h_t rounded and W_h's pairs
@@ -70,6 +71,7 @@ from .lowlevel import (
     row_add,
     row_add3,
     row_copy,
+    row_dots,
     row_round,
     row_zero,
     zero_like,
@@ -173,7 +175,10 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         blocks = tiles.shape[0] if single_step else (wpairs if bf16 else wpack).shape[0]
         pair = 2 if per == 2 and N >= PAIR_ROWS else 1
         claims = -(-blocks // pair)
-        if single_step:   # x and h_0 as columns, 16 samples per panel (serial: small)
+        # T=1 without columns (forward_single's choice): dots of each weight row with the
+        # samples' rows as they are; else x and h_0 as columns, 16 samples per panel
+        by_rows = single_step and x_cols.shape[0] == 0
+        if single_step:   # (serial: small)
             for p in range(x_cols.shape[0]):
                 pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
                 pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
@@ -233,12 +238,20 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 # this block's W rows in place @ the samples, transposed
                                 c = tile.ctypes.data
                                 unit = g * H + j0
-                                panel_gemm_t(_weight_rows(w_x, unit, width, wb), K, width,
-                                             x_cols.ctypes.data, K * PANEL, x_cols.shape[0],
-                                             c + (_X + g) * PANEL * itemsize, row, K, like)
-                                panel_gemm_t(_weight_rows(w_h, unit, width, wb), H, width,
-                                             h_cols.ctypes.data, H * PANEL, h_cols.shape[0],
-                                             c + (_R + g) * PANEL * itemsize, row, H, like)
+                                c_x = c + (_X + g) * PANEL * itemsize
+                                c_r = c + (_R + g) * PANEL * itemsize
+                                if by_rows:
+                                    row_dots(_weight_rows(w_x, unit, width, wb), K, width,
+                                             x.ctypes.data, K, N, c_x, row, K, like)
+                                    row_dots(_weight_rows(w_h, unit, width, wb), H, width,
+                                             h_prev_addr, H, N, c_r, row, H, like)
+                                else:
+                                    panel_gemm_t(_weight_rows(w_x, unit, width, wb), K,
+                                                 width, x_cols.ctypes.data, K * PANEL,
+                                                 x_cols.shape[0], c_x, row, K, like)
+                                    panel_gemm_t(_weight_rows(w_h, unit, width, wb), H,
+                                                 width, h_cols.ctypes.data, H * PANEL,
+                                                 h_cols.shape[0], c_r, row, H, like)
                                 for n in range(N):   # units past H (partial block): zeros
                                     for u in range(width, PANEL):
                                         tile[n, (_R + g) * PANEL + u] = 0
@@ -501,6 +514,10 @@ PAIR_ROWS = 4
 # each step reads all of W_x's panels for N rows, so few samples lose.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-the-input-product-inside-the-loop
 FUSED_INPUT_ROWS = 8
+# At T=1 up to this many samples take row_dots (a dot per weight row and sample) rather
+# than 16-sample panels, whose cost is a whole panel's however few samples fill it.
+# Measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-by-rows
+DOT_SAMPLES = 8
 # (the T=1 backward's bound: SERIAL_WORK's note)
 SERIAL_POINTWISE = 1 << 18 if SLEEPING_WORKERS else 1 << 14
 
@@ -715,8 +732,9 @@ class FusedLayer:
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                        clip_lo, clip_hi, clip_flags):
         """A whole T=1 layer-direction in one region, weights read in place: each block
-        multiplies its rows of W_x and W_h by x and h_0 (as 16-sample columns) and runs the
-        cell; forward()'s four launches and two weight copies cost more at T=1.
+        multiplies its rows of W_x and W_h by x and h_0 (as 16-sample columns, or up to
+        DOT_SAMPLES samples by rows) and runs the cell; forward()'s four launches and two
+        weight copies cost more at T=1.
         Measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-form
             x2d     (N, K)            in   the layer input of the one step
             w_x     (G*H, K), w_h (G*H, H)   in   this direction's weights; with
@@ -726,8 +744,11 @@ class FusedLayer:
             scratch.w_rows  (threads, 16*max(K, H)): bfloat16 weights' rows, widened
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
         scalar = self.dtype.type
-        K, tiles, h_cols = x2d.shape[1], scratch.tiles, scratch.h_cols
+        K, tiles = x2d.shape[1], scratch.tiles
         N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
+        # no columns: the kernel takes row_dots (note above DOT_SAMPLES)
+        by_rows = N <= DOT_SAMPLES and x2d.dtype == self.dtype
+        h_cols = scratch.h_cols[:0] if by_rows else scratch.h_cols
         serial = N * GH * (H + K) <= SERIAL_WORK
         kernel = pick(self._forward_single, self._forward_single_serial, serial)
         w_x, w_h = self._weight(w_x), self._weight(w_h)

@@ -345,6 +345,32 @@ def test_forward_single_writes_exactly_its_direction(build, mode, dtype, d, H, N
     assert all(np.isnan(g).all() for g in guards), "a write past a scratch array"
 
 
+@pytest.mark.parametrize("N", [1, fused.DOT_SAMPLES, fused.DOT_SAMPLES + 1])
+@pytest.mark.parametrize("mode", MODES)
+def test_few_samples_take_the_products_by_rows(monkeypatch, mode, N):
+    """forward_single's rule (note above fused.DOT_SAMPLES): up to DOT_SAMPLES samples its
+    kernel gets no columns and multiplies by rows (row_dots), more get 16-sample columns;
+    the other form, forced, gives the same outputs within float32's rounding."""
+    layer = fused_layer(mode, np.float32)
+    columns = []
+
+    def spying(real):
+        def spy(*args):
+            columns.append(args[10][3].shape[0])   # single: (x, w_x, w_h, x_cols, ...)
+            return real(*args)
+        return spy
+    for name in ("_forward_single", "_forward_single_serial"):
+        monkeypatch.setattr(layer, name, spying(getattr(layer, name)))
+    case, kw, _ = make_case(mode, T=1, N=N, I=9, H=20, L=1, D=1, dtype=np.float32, seed=N)
+    chosen = fusedrnn.RNN(**case, **kw, state_outputs=True)
+    assert columns == [0 if N <= fused.DOT_SAMPLES else -(-N // PANEL)]
+    monkeypatch.setattr(fused, "DOT_SAMPLES", N - 1 if N <= fused.DOT_SAMPLES else N)
+    other = fusedrnn.RNN(**case, **kw, state_outputs=True)
+    assert columns[1] == (-(-N // PANEL) if columns[0] == 0 else 0)
+    for mine, theirs in zip(chosen, other):
+        assert rel_err(mine, theirs) <= TOL[np.float32]
+
+
 @pytest.mark.parametrize("T, N, H, serial", [
     (1, 1, 8, (True, True)),        # the per-call floor: both serial
     (1, 4, 64, (True, True)),       # 4*256*128 = 131k multiply-adds, 1024 gate values

@@ -26,7 +26,7 @@ process may override before it compiles a tile (tile_settings() reads it).
 """
 # microkernel first: decorating the cached kernels of gemm and packing stamps them with
 # tile_settings() (jitcache.py), which must be here by then.
-from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, tile_settings
+from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, row_dots, tile_settings
 
 # isort: split
 from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_bf16_cols
@@ -54,6 +54,6 @@ __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f
            "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
            "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_bias",
            "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
-           "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_round",
+           "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_dots", "row_round",
            "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen", "widen_f16",
            "zero_like"]

@@ -34,6 +34,12 @@ panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Nu
     The same product stored transposed, over any number of panels (T_PANELS at a time):
     C (npanels * PANEL, rows), row stride ldc >= rows, element (r, j) at c[j * ldc + r].
     For forward_single's T=1 step: A is raw weight rows, the panels the samples; no overlap.
+
+row_dots(a, lda, rows, x, ldx, n, c, ldc, k, like)  (Numba intrinsic)
+    The same C^T for few samples, from their rows as they are: C^T[j, r] = A[r, :k] . X[j, :k]
+    at c[j * ldc + r], X (n, k) row stride ldx (run-time n). A panel's 16 columns cost the
+    same for one sample as for 16; a dot costs per sample (DOT_SAMPLES: which wins where).
+    Addresses and dtypes as panel_gemm_t's; C must not overlap A or X.
 """
 from __future__ import annotations
 
@@ -47,8 +53,9 @@ from numba.core import cgutils
 from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
-__all__ = ["MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "panel_gemm", "panel_gemm_for",
-           "panel_gemm_t", "panels_per_tile", "rows_for", "tile_height", "tile_settings"]
+__all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "panel_gemm",
+           "panel_gemm_for", "panel_gemm_t", "dot_rows", "panels_per_tile", "row_dots", "rows_for",
+           "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
 
@@ -359,3 +366,143 @@ def panel_gemm_for(dtype):
     def bound(a, lda, rows, panel, c, ldc, k):
         panel_gemm(a, lda, rows, panel, 0, 1, c, ldc, k, zero)
     return bound
+
+
+# A dot tile: up to DOT_GROUP samples, and as many rows as leave their accumulators (one
+# vector of partial sums each) two thirds of the registers; each load of a weight row's
+# vector then feeds every sample of the group, each of x's feeds every row. Its rows'
+# and samples' addresses together stay within the tallest panel tile's and one more
+# (an 8 x 2 tile reloaded one from the stack in its k-loop; test_microkernel).
+DOT_GROUP = 4
+
+
+def dot_rows(samples):
+    """Rows of a dot tile of `samples` samples."""
+    return min(MAX_ROWS + 1 - samples, ACCUMULATORS[VECTOR_BITS] * 2 // 3 // samples)
+
+
+def _emit_dot_tile(builder, a, lda, x, ldx, c, ldc, k, *, rows, samples, single):
+    """c[j * ldc + r] = A[r, :k] . X[j, :k] for r < rows, j < samples: lanes of partial
+    sums over whole vectors of k, halved across lanes, then the k % lanes left in scalar
+    FMAs (few registers live there). The order of the sums is fixed by k and the width."""
+    intp = a.type
+    lanes = VECTOR_BITS // (32 if single else 64)
+    scalar = ir.FloatType() if single else ir.DoubleType()
+    vec = ir.VectorType(scalar, lanes)
+    suffix = "f32" if single else "f64"
+    vfma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
+                                          f"llvm.fmuladd.v{lanes}{suffix}")
+    sfma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(scalar, [scalar] * 3),
+                                          f"llvm.fmuladd.{suffix}")
+    const = functools.partial(ir.Constant, intp)
+    a_ptr, x_ptr, c_ptr = (builder.inttoptr(p, scalar.as_pointer()) for p in (a, x, c))
+    pairs = [(r, j) for r in range(rows) for j in range(samples)]
+    acc = {rj: cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for rj in pairs}
+    total = {rj: cgutils.alloca_once(builder, scalar) for rj in pairs}
+
+    def at(ptr, stride, i, kk):
+        return builder.gep(ptr, [builder.add(builder.mul(const(i), stride), kk)])
+
+    def load_vec(ptr):
+        return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=1)
+
+    whole = builder.udiv(k, const(lanes))
+    with cgutils.for_range(builder, whole) as loop:
+        kk = builder.mul(loop.index, const(lanes))
+        xv = [load_vec(at(x_ptr, ldx, j, kk)) for j in range(samples)]
+        for r in range(rows):
+            w = load_vec(at(a_ptr, lda, r, kk))
+            for j in range(samples):
+                builder.store(builder.call(vfma, [w, xv[j], builder.load(acc[r, j])]),
+                              acc[r, j])
+    i32 = ir.IntType(32)
+    for r, j in pairs:   # each vector's halves added, lanes -> 1, before the tail's FMAs
+        value, width = builder.load(acc[r, j]), lanes
+        while width > 1:
+            width //= 2
+            value = builder.fadd(
+                builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
+                                                                 list(range(width)))),
+                builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
+                                                                 list(range(width, 2 * width)))))
+        builder.store(builder.extract_element(value, ir.Constant(i32, 0)), total[r, j])
+    done = builder.mul(whole, const(lanes))
+    with cgutils.for_range(builder, builder.sub(k, done)) as loop:
+        kk = builder.add(done, loop.index)
+        xs = [builder.load(at(x_ptr, ldx, j, kk)) for j in range(samples)]
+        for r in range(rows):
+            w = builder.load(at(a_ptr, lda, r, kk))
+            for j in range(samples):
+                builder.store(builder.call(sfma, [w, xs[j], builder.load(total[r, j])]),
+                              total[r, j])
+    for r, j in pairs:
+        builder.store(builder.load(total[r, j]), at(c_ptr, ldc, j, const(r)))
+
+
+def _emit_dots(builder, a, lda, rows, x, ldx, n, c, ldc, k, *, single, itemsize):
+    """row_dots' body: the samples in groups of DOT_GROUP (the last one smaller), each
+    group's rows in balanced tiles of at most dot_rows(group) (a switch over heights)."""
+    intp = a.type
+    const = functools.partial(ir.Constant, intp)
+    fn = builder.function
+    name = f"{'f32' if single else 'f64'}_{VECTOR_BITS}"
+    first = cgutils.alloca_once_value(builder, const(0))
+    groups = builder.udiv(builder.add(n, const(DOT_GROUP - 1)), const(DOT_GROUP))
+    with cgutils.for_range(builder, groups):
+        j = builder.load(first)
+        left = builder.sub(n, j)
+        x_j = builder.add(x, builder.mul(builder.mul(j, ldx), const(itemsize)))
+        c_j = builder.add(c, builder.mul(builder.mul(j, ldc), const(itemsize)))
+        group_done = fn.append_basic_block()
+        by_size = builder.switch(builder.select(builder.icmp_unsigned(">", left,
+                                                                      const(DOT_GROUP)),
+                                                const(DOT_GROUP), left), group_done)
+        for samples in range(1, DOT_GROUP + 1):
+            case = fn.append_basic_block()
+            by_size.add_case(const(samples), case)
+            builder.position_at_end(case)
+            most = dot_rows(samples)
+            tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
+            done = cgutils.alloca_once_value(builder, const(0))
+            with cgutils.for_range(builder, tiles) as loop:
+                r = builder.load(done)
+                height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
+                a_r = builder.add(a, builder.mul(builder.mul(r, lda), const(itemsize)))
+                c_r = builder.add(c_j, builder.mul(r, const(itemsize)))
+                after = fn.append_basic_block()
+                switch = builder.switch(height, after)
+                for h in range(1, most + 1):
+                    tile_case = fn.append_basic_block()
+                    switch.add_case(const(h), tile_case)
+                    with builder.goto_block(tile_case):
+                        tile = _function(builder.module, f"fusedrnn_dot{h}x{samples}_{name}",
+                                         intp, 7, functools.partial(
+                                             _emit_dot_tile, rows=h, samples=samples,
+                                             single=single))
+                        builder.call(tile, [a_r, lda, x_j, ldx, c_r, ldc, k])
+                        builder.branch(after)
+                builder.position_at_end(after)
+                builder.store(builder.add(r, height), done)
+            builder.store(builder.add(j, const(samples)), first)
+            builder.branch(group_done)
+        builder.position_at_end(group_done)
+
+
+@intrinsic
+def row_dots(typingctx, a, lda, rows, x, ldx, n, c, ldc, k, like):
+    """C^T of few samples by dots along k (module docstring)."""
+    if not all(isinstance(arg, types.Integer) for arg in (a, lda, rows, x, ldx, n, c, ldc, k)):
+        return None
+    if like not in (types.float32, types.float64):
+        return None
+    single = like == types.float32
+
+    def codegen(context, builder, signature, args):
+        ints = [context.cast(builder, args[i], signature.args[i], types.intp) for i in range(9)]
+        name = f"fusedrnn_dots_{'f32' if single else 'f64'}_{VECTOR_BITS}"
+        fn = _function(builder.module, name, ints[0].type, 9, functools.partial(
+            _emit_dots, single=single, itemsize=4 if single else 8))
+        builder.call(fn, ints)
+        return context.get_dummy_value()
+
+    return types.void(a, lda, rows, x, ldx, n, c, ldc, k, like), codegen

@@ -2,8 +2,8 @@
 row count up to two register tiles (and 20, the balanced 4 x 5 split), with a row
 stride of A wider than K and a C wider than the panels whose padding columns must stay
 untouched, over panels from packing.py's pack_recurrent and pack_recurrent_rows; its
-transposed-store form (panel_gemm_t) the same way. Then what the module docstring
-claims of the compiled code: the tile heights and the vector width (VECTOR_BITS, both
+transposed-store form (panel_gemm_t) and its form by rows (row_dots) the same way. Then
+what the module docstring claims of the compiled code: the tile heights and the vector width (VECTOR_BITS, both
 widths on any CPU) are independent of the element size, and a tile's k-loop reloads
 nothing from the stack."""
 import functools
@@ -155,6 +155,36 @@ def test_panel_gemm_t_stores_the_transposed_product(dtype, rows, K, npanels):
     assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
 
 
+@functools.cache
+def dots_driver(dtype):
+    @nb.njit
+    def run(a, lda, rows, x, ldx, n, c, ldc, k):
+        mk.row_dots(a.ctypes.data, lda, rows, x.ctypes.data, ldx, n, c.ctypes.data, ldc, k,
+                    dtype(0))
+    return run
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("K", [1, 7, 16, 17, 100])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_dots_stores_the_transposed_product_by_rows(dtype, rows, K, n):
+    """row_dots: C (n, ldc) gets (A @ X^T)^T in its first `rows` columns from the samples'
+    rows as they are (strides past K honoured: a whole vector of k, a tail, or only a
+    tail; groups of samples with a smaller last one; balanced row tiles); the rest of C
+    stays NaN."""
+    rng = np.random.default_rng([rows, K, n])
+    a = np.full((rows, K + A_PAD), np.nan, dtype)
+    a[:, :K] = rng.standard_normal((rows, K))
+    x = np.full((n, K + 2), np.nan, dtype)
+    x[:, :K] = rng.standard_normal((n, K))
+    c = np.full((n, rows + C_PAD), np.nan, dtype)
+    dots_driver(dtype)(a, K + A_PAD, rows, x, K + 2, n, c, rows + C_PAD, K)
+    want = x[:, :K].astype(np.float64) @ a[:, :K].astype(np.float64).T
+    assert np.max(np.abs(c[:, :rows] - want)) / np.max(np.abs(want)) <= TOL[dtype]
+    assert np.isnan(c[:, rows:]).all(), "columns of C past `rows` were written"
+
+
 # Run in a fresh process: the tile height is read from ROWS when a kernel is first typed
 # (in this process the kernels above have been typed already).
 SWAPPED_HEIGHTS = """
@@ -250,8 +280,11 @@ def _tile_blocks(asm):
     return ["\n".join(f) for f in functions]
 
 
+_TILE_NAMES = ("fusedrnn_tile", "fusedrnn_dot")   # the panel tiles, row_dots' tiles
+
+
 def _tile_loops(asm):
-    """Each labelled block of a tile's function (fusedrnn_tile*) up to its first jump (the
+    """Each labelled block of a tile's function (fusedrnn_tile*, fusedrnn_dot*) up to its first jump (the
     loop's back edge; what follows it runs once, after the loop), kept where it holds at
     least 8 FMAs (or vdpbf16ps). (The kernel's own blocks are not tiles: its cell math has
     FMAs too.)"""
@@ -260,7 +293,7 @@ def _tile_loops(asm):
         label = re.match(r"^([.\w$]+):", line)
         if label:
             if not label.group(1).startswith(".L"):   # a function's own label
-                in_tile = label.group(1).startswith("fusedrnn_tile")
+                in_tile = label.group(1).startswith(_TILE_NAMES)
             current = [] if in_tile else None
             if in_tile:
                 blocks.append(current)
@@ -310,7 +343,7 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
         dispatcher, signature = next(
             (d, s) for d in (gemm._project, gemm._project_serial) for s in d.signatures
             if s[0].dtype == nb.from_dtype(dtype))
-    elif kernel.startswith("fused single step"):   # the transposed tiles (T=1)
+    elif kernel.startswith("fused single step"):   # the transposed and dot tiles (T=1)
         launch_fused("lstm", np.float32, 1)
         dispatcher = fused.fused_layer("lstm", np.float32)._forward_single_serial
         assert dispatcher.signatures, f"{kernel}: the call did not launch it"
@@ -324,6 +357,8 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
         signature = dispatcher.signatures[0]
     asm = fresh_compile(dispatcher, signature).inspect_asm(signature)
     assert re.search(r"^fusedrnn_tile\w+:", asm, re.M), f"{kernel}: the tiles were inlined"
+    if kernel.startswith("fused single step"):   # and row_dots' tiles, for few samples
+        assert re.search(r"^fusedrnn_dot\w+:", asm, re.M), f"{kernel}: dot tiles inlined"
     loops = _tile_loops(asm)
     assert loops, f"{kernel}: no tile k-loop found in the asm"
     if "bf16" in kernel:   # every vdpbf16ps in a tile's function (none inlined)
@@ -371,13 +406,25 @@ for dtype in (np.float32, np.float64):
         tol = (1e-5 if dtype == np.float32 else 1e-12) * np.max(np.abs(want))
         assert np.max(np.abs(c - want)) <= tol, (dtype, rows)
         assert np.max(np.abs(ct - want.T)) <= tol, (dtype, rows)
+
+    @nb.njit
+    def dots(a, x, c):
+        mk.row_dots(a.ctypes.data, a.shape[1], a.shape[0], x.ctypes.data, x.shape[1],
+                    x.shape[0], c.ctypes.data, c.shape[1], a.shape[1], zero)
+    for rows, n in ((16, 1), (13, 2), (7, 3), (20, 6)):
+        a = rng.standard_normal((rows, 37)).astype(dtype)
+        x = rng.standard_normal((n, 37)).astype(dtype)
+        c = np.full((n, rows), np.nan, dtype)
+        dots(a, x, c)
+        want = x.astype(np.float64) @ a.astype(np.float64).T
+        assert np.max(np.abs(c - want)) <= 1e-5 * np.max(np.abs(want)), (dtype, rows, n)
 print("ok", mk.VECTOR_BITS, mk.ROWS[np.dtype(np.float64)])
 """
 
 
 def test_the_other_vector_width_computes_the_same():
-    """Both widths, each with its own tile heights, run wherever CI runs, whichever its
-    CPU picks."""
+    """Both widths, each with its own tile heights (and row_dots' tiles), run wherever CI
+    runs, whichever its CPU picks."""
     from fusedrnn.cpu.lowlevel import microkernel as mk
     done = subprocess.run([sys.executable, "-c", OTHER_WIDTH], capture_output=True,
                           text=True, timeout=600)
