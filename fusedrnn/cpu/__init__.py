@@ -157,6 +157,15 @@ class CpuBackend:
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)
         host = TORCH_CALLER.get()
+        if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous:
+            # a^T @ b over one row (T=1, N=1) is an outer product, which numpy's matmul
+            # runs in its own scalar loop, not in BLAS (torch's mm is quick there)
+            # Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product
+            column, row = a.reshape(M, 1), b.reshape(1, C)
+            if own_gemm(out.dtype):
+                return _own_product(np.ascontiguousarray(column), np.ascontiguousarray(row),
+                                    out)
+            return np.multiply(column, row, out=out)
         if host is None or not same or not all(
                 x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
             return np.matmul(a.T if transpose_a else a, b, out=out)

@@ -1,5 +1,5 @@
 """fusedrnn.cpu.CpuBackend.matmul, the op's large GEMMs: a @ b on the micro-kernel
-above OWN_GEMM_WORK and a^T @ b on numpy's BLAS, each against float64 numpy into a
+above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel), each against float64 numpy into a
 NaN-poisoned output, at sizes on both sides of the threshold; in a torch program
 (config.TORCH_CALLER) everything but the micro-kernel's products on torch's GEMM, and
 large float32 weight gradients as torch's transpose, then the micro-kernel."""
@@ -14,9 +14,11 @@ TOL = {np.float32: 2e-6, np.float64: 1e-13}   # relative to max |a @ b|, K up to
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
-@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301)])   # (M, K, C)
+@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301), (70, 1, 45)])  # (M, K, C)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
+    """K = 1: a^T @ b an outer product (a T=1 N=1 weight gradient), on the micro-kernel
+    where own_gemm (numpy's matmul loops over it without BLAS), else numpy's multiply."""
     M, K, C = shape
     rng = np.random.default_rng([M, K, C])
     # a as the op passes it: for a^T @ b a column slice of a wider matrix (row stride >
@@ -31,7 +33,8 @@ def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
     CpuBackend.matmul(a, b, out, transpose_a=transpose_a)
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
-    own = not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK and cpu.own_gemm(dtype)
+    own = (transpose_a and K == 1 or not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK) \
+        and cpu.own_gemm(dtype)
     assert bool(calls) == own, "the micro-kernel ran where the rule says numpy (or back)"
 
 
@@ -59,6 +62,7 @@ class StandIn:
 # case: (M, K, C, transpose_a, dtype, what runs)
 TORCH_CASES = {
     "transposed": (21, 37, 17, True, np.float32, ["torch"]),
+    "outer product": (21, 1, 17, True, np.float32, ["torch"]),   # (torch's mm is quick)
     "small": (21, 37, 17, False, np.float32, ["torch"]),
     "large": (300, 3000, 301, False, np.float32, ["kernel"]),
     # a^T @ b at OWN_GRADIENT_* (512 * 2048 * 512 = 2^29): torch's transpose, our kernel
@@ -151,3 +155,18 @@ def test_a_paired_reuses_only_the_same_a(transpose_a):
     assert np.array_equal(product(a1, b2, a_paired=True), want[0, 1])   # reused
     assert np.array_equal(product(a2, b2, a_paired=True), want[1, 1])   # another a: made
     assert np.array_equal(product(a2.copy(), b1, a_paired=True), want[1, 0])
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("K", [1, 5])
+def test_the_first_tiers_matmul_matches_float64(K, transpose_a):
+    """The first tier's products (numpy only, nothing compiled), the outer product too."""
+    from fusedrnn.cpu.firsttier import FirstTierBackend
+    rng = np.random.default_rng(K)
+    M, C = 30, 20
+    a = rng.standard_normal((K, M) if transpose_a else (M, K)).astype(np.float32)
+    b = rng.standard_normal((K, C)).astype(np.float32)
+    out = np.full((M, C), np.nan, np.float32)
+    FirstTierBackend.matmul(a, b, out, transpose_a=transpose_a)
+    want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    assert np.max(np.abs(out - want)) <= TOL[np.float32] * np.max(np.abs(want))
