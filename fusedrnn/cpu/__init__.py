@@ -138,9 +138,10 @@ class CpuBackend:
         multiply-adds runs on the micro-kernel where own_gemm; the rest on numpy's BLAS, or
         in a torch program on torch's GEMM and pool (OpenBLAS's spinning threads took a core
         from its ops; one thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the
-        micro-kernel after torch's transposing copy. With `pairs` (pair_scratch's uint32s,
-        where pair_products; `half`: bfloat16) on bfloat16 pairs; a_paired: `pairs` still
-        holds a's pairs.
+        micro-kernel after torch's transposing copy; a^T @ b over one row (an outer product)
+        outside a torch program on the micro-kernel, or numpy's multiply. With `pairs`
+        (pair_scratch's uint32s, where pair_products; `half`: bfloat16) on bfloat16 pairs;
+        a_paired: `pairs` still holds a's pairs.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
         bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":
@@ -157,7 +158,8 @@ class CpuBackend:
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)
         host = TORCH_CALLER.get()
-        if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous:
+        if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous and \
+                out.dtype in (np.float32, np.float64):
             # a^T @ b over one row (T=1, N=1) is an outer product, which numpy's matmul
             # runs in its own scalar loop, not in BLAS (torch's mm is quick there)
             # Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product

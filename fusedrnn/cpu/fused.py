@@ -20,8 +20,9 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
     lengths (N,) int64      in   per-sample lengths, (0,) for all T; past it: carry, y = 0
     clip    (lo, hi, flags)      LSTM cell-state clipping, in the data's dtype (cells.py)
     single  (x, w_x, w_h, x_cols, h_cols, w_rows)   the T=1 form's (forward_single); each
-                                 empty (FusedLayer._no_single) for T > 1; x_cols and
-                                 h_cols empty at T=1: the products by rows (row_dots)
+                                 empty (FusedLayer._no_single) for T > 1; where x_cols
+                                 and h_cols are empty at T=1, the products by rows
+                                 (row_dots), x read as the layer's dtype
     half    (h16, wpairs, x16, wxpairs, bias_rows)   the bf16 layer's; each empty
                                  (FusedLayer._no_half) else:
       h16, wpairs                h_t rounded and W_h's pairs
@@ -746,7 +747,8 @@ class FusedLayer:
         scalar = self.dtype.type
         K, tiles = x2d.shape[1], scratch.tiles
         N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
-        # no columns: the kernel takes row_dots (note above DOT_SAMPLES)
+        # no columns: the kernel takes row_dots (note above DOT_SAMPLES), which reads x as
+        # the layer's dtype (the columns' packing converts any other)
         by_rows = N <= DOT_SAMPLES and x2d.dtype == self.dtype
         h_cols = scratch.h_cols[:0] if by_rows else scratch.h_cols
         serial = N * GH * (H + K) <= SERIAL_WORK

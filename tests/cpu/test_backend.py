@@ -1,8 +1,9 @@
 """fusedrnn.cpu.CpuBackend.matmul, the op's large GEMMs: a @ b on the micro-kernel
-above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel), each against float64 numpy into a
-NaN-poisoned output, at sizes on both sides of the threshold; in a torch program
-(config.TORCH_CALLER) everything but the micro-kernel's products on torch's GEMM, and
-large float32 weight gradients as torch's transpose, then the micro-kernel."""
+above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel),
+each against float64 numpy into a NaN-poisoned output, at sizes on both sides of the
+threshold; in a torch program (config.TORCH_CALLER) everything but the micro-kernel's
+products on torch's GEMM, and large float32 weight gradients as torch's transpose, then
+the micro-kernel."""
 import numpy as np
 import pytest
 

@@ -1,7 +1,7 @@
 """The CPU kernels' low-level layer, and its one entry: import from here, never from the
 submodules (tests/test_layering.py checks it):
 
-    microkernel  the register-tiled GEMM against packed panels
+    microkernel  the register-tiled GEMM against packed panels; row_dots for few samples
     packing      every weight layout the micro-kernel reads
     gemm         the input projection of all steps (and the input gradient's GEMM)
     rows         16-element vector row moves
@@ -54,6 +54,6 @@ __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f
            "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
            "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_bias",
            "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
-           "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_dots", "row_round",
-           "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen", "widen_f16",
-           "zero_like"]
+           "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_dots",
+           "row_round", "row_zero", "select", "sigmoid", "tanh", "tile_settings", "widen",
+           "widen_f16", "zero_like"]

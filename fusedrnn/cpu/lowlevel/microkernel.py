@@ -38,7 +38,7 @@ panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Nu
 row_dots(a, lda, rows, x, ldx, n, c, ldc, k, like)  (Numba intrinsic)
     The same C^T for few samples, from their rows as they are: C^T[j, r] = A[r, :k] . X[j, :k]
     at c[j * ldc + r], X (n, k) row stride ldx (run-time n). A panel's 16 columns cost the
-    same for one sample as for 16; a dot costs per sample (DOT_SAMPLES: which wins where).
+    same for one sample as for 16; a dot costs per sample (fused.DOT_SAMPLES: which wins).
     Addresses and dtypes as panel_gemm_t's; C must not overlap A or X.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ from numba.core import cgutils
 from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
-__all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "panel_gemm",
-           "panel_gemm_for", "panel_gemm_t", "dot_rows", "panels_per_tile", "row_dots", "rows_for",
+__all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "dot_rows", "panel_gemm",
+           "panel_gemm_for", "panel_gemm_t", "panels_per_tile", "row_dots", "rows_for",
            "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
@@ -379,7 +379,8 @@ def panel_gemm_for(dtype):
 
 
 # A dot tile: up to DOT_GROUP samples, and as many rows as leave their accumulators (one
-# vector of partial sums each) two thirds of the registers; each load of a weight row's
+# vector of partial sums each) two thirds of ACCUMULATORS (the group's x vectors and one
+# weight vector take the rest); each load of a weight row's
 # vector then feeds every sample of the group, each of x's feeds every row. Its rows'
 # and samples' addresses together stay within the tallest panel tile's and one more
 # (an 8 x 2 tile reloaded one from the stack in its k-loop; test_microkernel).

@@ -3,9 +3,9 @@ row count up to two register tiles (and 20, the balanced 4 x 5 split), with a ro
 stride of A wider than K and a C wider than the panels whose padding columns must stay
 untouched, over panels from packing.py's pack_recurrent and pack_recurrent_rows; its
 transposed-store form (panel_gemm_t) and its form by rows (row_dots) the same way. Then
-what the module docstring claims of the compiled code: the tile heights and the vector width (VECTOR_BITS, both
-widths on any CPU) are independent of the element size, and a tile's k-loop reloads
-nothing from the stack."""
+what the module docstring claims of the compiled code: the tile heights and the vector
+width (VECTOR_BITS, both widths on any CPU) are independent of the element size, and a
+tile's k-loop reloads nothing from the stack."""
 import functools
 import platform
 import re
@@ -164,7 +164,7 @@ def dots_driver(dtype):
     return run
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 @pytest.mark.parametrize("K", [1, 7, 16, 17, 100])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -280,20 +280,20 @@ def _tile_blocks(asm):
     return ["\n".join(f) for f in functions]
 
 
-_TILE_NAMES = ("fusedrnn_tile", "fusedrnn_dot")   # the panel tiles, row_dots' tiles
+_TILE_NAME = re.compile(r"fusedrnn_(tile|dot\d+x)")   # the panel tiles, row_dots' tiles
 
 
 def _tile_loops(asm):
-    """Each labelled block of a tile's function (fusedrnn_tile*, fusedrnn_dot*) up to its first jump (the
-    loop's back edge; what follows it runs once, after the loop), kept where it holds at
-    least 8 FMAs (or vdpbf16ps). (The kernel's own blocks are not tiles: its cell math has
-    FMAs too.)"""
+    """Each labelled block of a tile's function (fusedrnn_tile*, fusedrnn_dot<h>x*) up to
+    its first jump (the loop's back edge; what follows it runs once, after the loop), kept
+    where it holds at least 8 FMAs (or vdpbf16ps). (The kernel's own blocks are not tiles:
+    its cell math has FMAs too.)"""
     blocks, current, in_tile = [], None, False
     for line in asm.splitlines():
         label = re.match(r"^([.\w$]+):", line)
         if label:
             if not label.group(1).startswith(".L"):   # a function's own label
-                in_tile = label.group(1).startswith(_TILE_NAMES)
+                in_tile = bool(_TILE_NAME.match(label.group(1)))
             current = [] if in_tile else None
             if in_tile:
                 blocks.append(current)
@@ -358,7 +358,11 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
     asm = fresh_compile(dispatcher, signature).inspect_asm(signature)
     assert re.search(r"^fusedrnn_tile\w+:", asm, re.M), f"{kernel}: the tiles were inlined"
     if kernel.startswith("fused single step"):   # and row_dots' tiles, for few samples
-        assert re.search(r"^fusedrnn_dot\w+:", asm, re.M), f"{kernel}: dot tiles inlined"
+        assert re.search(r"^fusedrnn_dot\d+x\d+_\w+:", asm, re.M), f"{kernel}: dot tiles inlined"
+        dots = _tile_loops("\n".join(line for block in re.split(r"(?m)^(?=fusedrnn_)", asm)
+                                      if block.startswith("fusedrnn_dot")
+                                      for line in block.splitlines()))
+        assert dots, f"{kernel}: no dot tile k-loop found in the asm"
     loops = _tile_loops(asm)
     assert loops, f"{kernel}: no tile k-loop found in the asm"
     if "bf16" in kernel:   # every vdpbf16ps in a tile's function (none inlined)
