@@ -371,6 +371,38 @@ def test_few_samples_take_the_products_by_rows(monkeypatch, mode, N):
         assert rel_err(mine, theirs) <= TOL[np.float32]
 
 
+def test_an_input_of_another_dtype_takes_the_columns(monkeypatch):
+    """row_dots reads x as the layer's dtype, so forward_single gives a float64 x to a
+    float32 layer the columns (whose packing converts it), whatever N: the same outputs
+    as the x converted first, which takes the rows."""
+    layer, (N, K, H, G) = fused_layer("gru", np.float32), (3, 9, 20, 3)
+    columns = []
+    real = layer._forward_single_serial
+
+    def spy(*args):
+        columns.append(args[10][3].shape[0])
+        return real(*args)
+    monkeypatch.setattr(layer, "_forward_single_serial", spy)
+    monkeypatch.setattr(fused, "SERIAL_WORK", 1 << 62)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((N, K))
+    w_x, w_h = (rng.uniform(-0.3, 0.3, (G * H, k)).astype(np.float32) for k in (K, H))
+    bx, bh = (rng.uniform(-0.3, 0.3, G * H).astype(np.float32) for _ in range(2))
+    config = RNNConfig(mode="gru", state_size=H, num_layers=1, input_size=K)
+    outputs = []
+    for given in (x, x.astype(np.float32)):
+        hs = np.zeros((1, 2, N, H), np.float32)
+        y = np.full((1, N, H), np.nan, np.float32)
+        scratch = SimpleNamespace(**{name: np.full(shape, np.nan, np.float32) for name, shape
+                                     in layer.forward_scratch(config, 1, N).items()})
+        layer.forward_single(given, 0, w_x, w_h, bx, bh, hs, np.zeros((1, 2, N, 0), np.float32),
+                             y, np.zeros((0, 0, 0, 0), np.float32), scratch,
+                             np.empty(0, np.int64), 0.0, 0.0, 0)
+        outputs.append(y)
+    assert columns == [1, 0]
+    assert rel_err(outputs[0], outputs[1]) <= TOL[np.float32]
+
+
 @pytest.mark.parametrize("T, N, H, serial", [
     (1, 1, 8, (True, True)),        # the per-call floor: both serial
     (1, 4, 64, (True, True)),       # 4*256*128 = 131k multiply-adds, 1024 gate values
