@@ -110,6 +110,20 @@ def _weight_rows(w, first, count, wb):
 
 
 @nb.njit(inline="always", cache=True)
+def _single_product(by_rows, w_rows, rows, samples, n, cols, c, ldc, like):
+    """The T=1 product of `rows` weight rows at w_rows (K = cols.shape[1] apart) with the n
+    samples, stored transposed at c: by rows (row_dots; the samples' rows at `samples`, K
+    apart) or against their 16-sample columns `cols`. Each weight's rows are widened once
+    for either form (a widening per form and weight lengthened the compile)."""
+    K = cols.shape[1]
+    if by_rows:
+        row_dots(w_rows, K, rows, samples, K, n, c, ldc, K, like)
+    else:
+        panel_gemm_t(w_rows, K, rows, cols.ctypes.data, K * PANEL, cols.shape[0], c, ldc, K,
+                     like)
+
+
+@nb.njit(inline="always", cache=True)
 def _hand_over(tiles, first, N, group, like):
     """After a pair's product (note above PAIR_ROWS): the second block's sums, left in
     group `group` + 1 of the first's tile, moved to its own."""
@@ -160,7 +174,6 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         if not parallel:   # (also keeps the two builds apart in Numba's cache index)
             workers = 1
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
-        K = x.shape[1]
         x_col, y_col = d * gates * H, d * H
         has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
         all_active = lengths.shape[0] == 0
@@ -239,20 +252,12 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 # this block's W rows in place @ the samples, transposed
                                 c = tile.ctypes.data
                                 unit = g * H + j0
-                                c_x = c + (_X + g) * PANEL * itemsize
-                                c_r = c + (_R + g) * PANEL * itemsize
-                                if by_rows:
-                                    row_dots(_weight_rows(w_x, unit, width, wb), K, width,
-                                             x.ctypes.data, K, N, c_x, row, K, like)
-                                    row_dots(_weight_rows(w_h, unit, width, wb), H, width,
-                                             h_prev_addr, H, N, c_r, row, H, like)
-                                else:
-                                    panel_gemm_t(_weight_rows(w_x, unit, width, wb), K,
-                                                 width, x_cols.ctypes.data, K * PANEL,
-                                                 x_cols.shape[0], c_x, row, K, like)
-                                    panel_gemm_t(_weight_rows(w_h, unit, width, wb), H,
-                                                 width, h_cols.ctypes.data, H * PANEL,
-                                                 h_cols.shape[0], c_r, row, H, like)
+                                _single_product(by_rows, _weight_rows(w_x, unit, width, wb),
+                                                width, x.ctypes.data, N, x_cols,
+                                                c + (_X + g) * PANEL * itemsize, row, like)
+                                _single_product(by_rows, _weight_rows(w_h, unit, width, wb),
+                                                width, h_prev_addr, N, h_cols,
+                                                c + (_R + g) * PANEL * itemsize, row, like)
                                 for n in range(N):   # units past H (partial block): zeros
                                     for u in range(width, PANEL):
                                         tile[n, (_R + g) * PANEL + u] = 0

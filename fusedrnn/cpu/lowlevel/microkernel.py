@@ -216,29 +216,6 @@ def _function(module, name, intp, nargs, emit):
     return fn
 
 
-def balanced_tiles(builder, rows, most, call):
-    """Rows 0..rows-1 (an intp value) in balanced tiles of at most `most` rows (as
-    emit_tiled_product's): a loop whose body switches on a tile's height h to call(h, r),
-    which emits the call of the h-row tile at row r."""
-    const = functools.partial(ir.Constant, rows.type)
-    fn = builder.function
-    tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
-    done = cgutils.alloca_once_value(builder, const(0))
-    with cgutils.for_range(builder, tiles) as loop:
-        r = builder.load(done)
-        height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
-        after = fn.append_basic_block()
-        switch = builder.switch(height, after)
-        for h in range(1, most + 1):
-            case = fn.append_basic_block()
-            switch.add_case(const(h), case)
-            with builder.goto_block(case):
-                call(h, r)
-                builder.branch(after)
-        builder.position_at_end(after)
-        builder.store(builder.add(r, height), done)
-
-
 def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
                        itemsize, transposed, tile, a_by_columns=False, bias=None):
     """The whole product (this file's and bf16.py's): panels in balanced groups, rows in
@@ -248,9 +225,12 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
     panels' bias rows): each tile also gets its group's first bias row and the stride."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
+    fn = builder.function
     first = 0
     for group in _groups(npanels, panels_per_tile(dtype)):
         most = tile_height(dtype, group)
+        tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
+        done = cgutils.alloca_once_value(builder, const(0))
         group_panel = builder.add(panel, builder.mul(builder.mul(const(first), pstride),
                                                      const(itemsize)))
         # The group's first column of C, or with `transposed` its first row of C^T.
@@ -260,14 +240,24 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
         if bias is not None:   # the group's first bias row, and the stride
             extra = [builder.add(bias[0], builder.mul(builder.mul(const(first), bias[1]),
                                                       const(itemsize))), bias[1]]
-
-        def call(h, r, group=group, group_panel=group_panel, group_c=group_c, extra=extra):
+        with cgutils.for_range(builder, tiles) as loop:
+            r = builder.load(done)
+            height = builder.udiv(builder.sub(rows, r), builder.sub(tiles, loop.index))
             a_r = builder.add(a, builder.mul(r if a_by_columns else builder.mul(r, lda),
                                              const(itemsize)))
             c_r = builder.add(group_c, builder.mul(r, const(itemsize)) if transposed else
                               builder.mul(builder.mul(r, ldc), const(itemsize)))
-            builder.call(tile(h, group), [a_r, lda, group_panel, pstride, c_r, ldc, k] + extra)
-        balanced_tiles(builder, rows, most, call)
+            after = fn.append_basic_block()
+            switch = builder.switch(height, after)
+            for h in range(1, most + 1):
+                case = fn.append_basic_block()
+                switch.add_case(const(h), case)
+                with builder.goto_block(case):
+                    builder.call(tile(h, group),
+                                 [a_r, lda, group_panel, pstride, c_r, ldc, k] + extra)
+                    builder.branch(after)
+            builder.position_at_end(after)
+            builder.store(builder.add(r, height), done)
         first += group
 
 
@@ -380,10 +370,10 @@ def panel_gemm_for(dtype):
 
 # A dot tile: up to DOT_GROUP samples, and as many rows as leave their accumulators (one
 # vector of partial sums each) two thirds of ACCUMULATORS (the group's x vectors and one
-# weight vector take the rest); each load of a weight row's
-# vector then feeds every sample of the group, each of x's feeds every row. Its rows'
-# and samples' addresses together stay within the tallest panel tile's and one more
-# (an 8 x 2 tile reloaded one from the stack in its k-loop; test_microkernel).
+# weight vector take the rest); each load of a weight row's vector then feeds every
+# sample of the group, each of x's every row. Its rows' and samples' addresses together
+# stay within the tallest panel tile's and one more (an 8 x 2 tile reloaded one from
+# the stack in its k-loop; test_microkernel).
 DOT_GROUP = 4
 
 
@@ -452,7 +442,8 @@ def _emit_dot_tile(builder, a, lda, x, ldx, c, ldc, k, *, rows, samples, single)
 
 def _emit_dots(builder, a, lda, rows, x, ldx, n, c, ldc, k, *, single, itemsize):
     """row_dots' body: the samples in groups of DOT_GROUP (the last one smaller), each
-    group's rows in balanced tiles of at most dot_rows(group) (a switch over heights)."""
+    group's rows in tiles of dot_rows(group), then one row at a time: two tiles a group
+    (every height's own tile doubled the kernels' compile)."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
@@ -472,16 +463,20 @@ def _emit_dots(builder, a, lda, rows, x, ldx, n, c, ldc, k, *, single, itemsize)
             case = fn.append_basic_block()
             by_size.add_case(const(samples), case)
             builder.position_at_end(case)
-
-            def call(h, r, samples=samples, x_j=x_j, c_j=c_j):
+            most = dot_rows(samples)
+            done = cgutils.alloca_once_value(builder, const(0))
+            for h, count in ((most, builder.udiv(rows, const(most))),
+                             (1, builder.urem(rows, const(most)))):
                 tile = _function(builder.module, f"fusedrnn_dot{h}x{samples}_{name}", intp, 7,
                                  functools.partial(_emit_dot_tile, rows=h, samples=samples,
                                                    single=single))
-                builder.call(tile, [builder.add(a, builder.mul(builder.mul(r, lda),
-                                                               const(itemsize))),
-                                    lda, x_j, ldx, builder.add(c_j, builder.mul(
-                                        r, const(itemsize))), ldc, k])
-            balanced_tiles(builder, rows, dot_rows(samples), call)
+                with cgutils.for_range(builder, count):
+                    r = builder.load(done)
+                    builder.call(tile, [builder.add(a, builder.mul(builder.mul(r, lda),
+                                                                   const(itemsize))),
+                                        lda, x_j, ldx, builder.add(c_j, builder.mul(
+                                            r, const(itemsize))), ldc, k])
+                    builder.store(builder.add(r, const(h)), done)
             builder.store(builder.add(j, const(samples)), first)
             builder.branch(group_done)
         builder.position_at_end(group_done)
