@@ -162,7 +162,8 @@ class FirstTierBackend:
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half=None):
         """out = a @ b, or a^T @ b, on numpy's BLAS (in a torch program too: its pool would
         spin against the background compile); an outer product (a^T @ b over one row) as
-        numpy's multiply, which its matmul's own scalar loop is slower than."""
+        numpy's multiply: numpy's matmul runs that in a scalar loop, not in BLAS.
+        Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product"""
         if transpose_a and a.shape[0] == 1:
             return np.multiply(a.reshape(-1, 1), b, out=out)
         return np.matmul(a.T if transpose_a else a, b, out=out)

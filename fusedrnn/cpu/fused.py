@@ -114,7 +114,8 @@ def _single_product(by_rows, w_rows, rows, samples, n, cols, c, ldc, like):
     """The T=1 product of `rows` weight rows at w_rows (K = cols.shape[1] apart) with the n
     samples, stored transposed at c: by rows (row_dots; the samples' rows at `samples`, K
     apart) or against their 16-sample columns `cols`. Each weight's rows are widened once
-    for either form (a widening per form and weight lengthened the compile)."""
+    for either form, which keeps the kernel's compile short.
+    Measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-by-rows"""
     K = cols.shape[1]
     if by_rows:
         row_dots(w_rows, K, rows, samples, K, n, c, ldc, K, like)

@@ -372,8 +372,8 @@ def panel_gemm_for(dtype):
 # vector of partial sums each) two thirds of ACCUMULATORS (the group's x vectors and one
 # weight vector take the rest); each load of a weight row's vector then feeds every
 # sample of the group, each of x's every row. Its rows' and samples' addresses together
-# stay within the tallest panel tile's and one more (an 8 x 2 tile reloaded one from
-# the stack in its k-loop; test_microkernel).
+# stay within the tallest panel tile's and one more (a tile of eight rows and two samples
+# reloaded an address from the stack in its k-loop; test_microkernel).
 DOT_GROUP = 4
 
 
@@ -442,8 +442,9 @@ def _emit_dot_tile(builder, a, lda, x, ldx, c, ldc, k, *, rows, samples, single)
 
 def _emit_dots(builder, a, lda, rows, x, ldx, n, c, ldc, k, *, single, itemsize):
     """row_dots' body: the samples in groups of DOT_GROUP (the last one smaller), each
-    group's rows in tiles of dot_rows(group), then one row at a time: two tiles a group
-    (every height's own tile doubled the kernels' compile)."""
+    group's rows in tiles of dot_rows(group), then one row at a time: two tiles a group,
+    not one per height, keep the single-step kernels' compile short.
+    Measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-by-rows"""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
