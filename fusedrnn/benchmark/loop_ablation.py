@@ -97,6 +97,9 @@ def variant_layer(name, cuts, mode, dtype, bf16=False):
     with open(fused.__file__) as f:
         exec(compile(variant_source(f.read(), cuts), f"fused.py ({name})", "exec"),
              module.__dict__)
+    # the kernels take their options from threads.py, not from the source: their cache
+    # off too, as a variant compiled from a string has no file for the cache to sit beside
+    module.KERNEL_OPTIONS = {**module.KERNEL_OPTIONS, "cache": False}
     return module.FusedLayer(mode, dtype, bf16)
 
 
