@@ -10,10 +10,18 @@
     with a time limit so that a barrier that waits forever fails the test instead of
     hanging it: results bitwise equal to the normal run's (a block's arithmetic does
     not depend on who runs it).
+    Every thread of that process has its affinity back afterwards: run one after
+    another on one thread, later workers find an earlier one's CPU and leave it (spread).
 (c) new_counters: zeroed, every row on a 64-byte line, the done count alone on the
-    row's last line.
+    row's last line; after the steps' rows, the CPU slots' row and two rows per worker
+    that each hold a cpu_set_t.
+(d) spread and settle, driven on this thread: a second worker on the first one's CPU
+    leaves it, with this thread's affinity narrowed by that CPU alone, and settle gives
+    the affinity back; a lone worker, a thread allowed one CPU and a worker whose CPU no
+    one holds stay. Off Linux spread never moves.
 """
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -22,7 +30,15 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.lowlevel.workshare import LINE, claim, new_counters
+from fusedrnn.cpu.lowlevel.workshare import (
+    LINE,
+    MASK_WORDS,
+    _current_cpu,
+    claim,
+    new_counters,
+    settle,
+    spread,
+)
 
 
 @nb.njit
@@ -90,6 +106,7 @@ def test_interleaved_workers_take_their_own_share_first(workers, blocks):
 
 
 _OVERSUBSCRIBED = textwrap.dedent("""
+    import os
     import numba, numpy as np
     import fusedrnn
     from fusedrnn.cpu import fused
@@ -109,6 +126,11 @@ _OVERSUBSCRIBED = textwrap.dedent("""
         one = fusedrnn.RNN(x[:1], p, **kw)    # T=1: the single-step form
         return [out, *grads[:2], one]
 
+    def affinities():   # every thread of this process (Linux; elsewhere spread never moves)
+        if not os.path.isdir("/proc/self/task"):
+            return {}
+        return {t: os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
     original, threads = fused._workshare, numba.get_num_threads()
     # (T=1 and the small loops too on the parallel builds)
     fused.SERIAL_WORK = fused.SERIAL_POINTWISE = fused.SERIAL_LOOP_WORK = -1
@@ -120,7 +142,9 @@ _OVERSUBSCRIBED = textwrap.dedent("""
             fused._workshare = lambda steps, blocks, serial=False: (
                 fused.new_counters(steps, workers), workers)
             fusedrnn.clear_cache()
+            before = affinities()
             got = run(mode, dtype)
+            assert affinities() == before, (mode, numba_threads, workers)
             for a, b in zip(got, want):
                 assert np.array_equal(a, b), (mode, numba_threads, workers)
         fused._workshare = original
@@ -142,8 +166,91 @@ def test_more_workers_than_threads_neither_hangs_nor_changes_results():
 @pytest.mark.parametrize("steps, workers", [(1, 1), (300, 2), (4, 8), (3, 9)])
 def test_new_counters_layout(steps, workers):
     counters = new_counters(steps, workers)
-    assert counters.dtype == np.int64 and counters.shape[0] == steps
+    assert counters.dtype == np.int64 and counters.shape[0] == steps + 1 + 2 * workers
     assert not counters.any()
     stride = counters.shape[1]
     assert stride % LINE == 0 and stride - LINE >= workers   # claims, then the done line
+    assert stride >= workers + 2 and stride >= MASK_WORDS   # the slots and lock; a mask
     assert counters.ctypes.data % 64 == 0 and counters.strides == (stride * 8, 8)
+
+
+@nb.njit
+def _spread_in_turn(counters, workers):
+    """spread for workers 0..workers-1, one after another on this thread: (moved, CPU
+    after) of each."""
+    out = np.zeros((workers, 2), np.int64)
+    for w in range(workers):
+        out[w, 0] = spread(counters, w, workers)
+        out[w, 1] = _current_cpu()
+    return out
+
+
+@nb.njit
+def _settle(counters, worker, workers, moved):
+    settle(counters, worker, workers, moved)
+
+
+@nb.njit
+def _cpu():
+    return _current_cpu()
+
+
+_LINUX = platform.system() == "Linux"
+
+
+@pytest.fixture
+def own_affinity():
+    """This thread's affinity, given back after the test whatever it did."""
+    allowed = os.sched_getaffinity(0) if _LINUX else None
+    yield allowed
+    if _LINUX:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_a_second_worker_on_the_first_ones_cpu_leaves_it_for_the_region(own_affinity):
+    steps, workers = 3, 2
+    counters = new_counters(steps, workers)
+    out = _spread_in_turn(counters, workers)
+    first = out[0, 1]
+    assert out[0, 0] == 0   # the first worker finds no one before it
+    slots = counters[steps]
+    assert slots[workers] == slots[workers + 1] == workers   # tickets taken, all served
+    if not _LINUX:
+        assert out[1, 0] == 0 and first == -1
+        return
+    assert first in own_affinity and slots[0] == first + 1
+    if len(own_affinity) == 1:   # nowhere to go
+        assert out[1, 0] == 0 and os.sched_getaffinity(0) == own_affinity
+        return
+    assert out[1, 0] == 1
+    assert os.sched_getaffinity(0) == own_affinity - {first}
+    assert out[1, 1] != first and slots[1] == out[1, 1] + 1
+    kept = counters[steps + 1 + 2 * 1]   # worker 1's mask as it was
+    assert {c for c in range(MASK_WORDS * 64) if kept[c // 64] >> (c % 64) & 1} == own_affinity
+    _settle(counters, 1, workers, True)
+    assert os.sched_getaffinity(0) == own_affinity
+
+
+@nb.njit
+def _spread_one(counters, worker, workers):
+    return spread(counters, worker, workers)
+
+
+def test_workers_that_stay(own_affinity):
+    # a lone worker never looks
+    counters = new_counters(2, 1)
+    assert _spread_in_turn(counters, 1)[0, 0] == 0 and not counters[2].any()
+    # a worker whose CPU the earlier one does not hold
+    counters = new_counters(2, 2)
+    counters[2, 0] = (_cpu() + 1) + 1   # worker 0 on the next CPU (slots hold CPU + 1)
+    counters[2, 2] = counters[2, 3] = 1   # ... and through the lock: ticket 1 is served
+    assert _spread_one(counters, 1, 2) == 0
+    if not _LINUX:
+        return
+    assert os.sched_getaffinity(0) == own_affinity
+    # a thread allowed one CPU has nowhere to go
+    os.sched_setaffinity(0, {min(own_affinity)})
+    counters = new_counters(2, 2)
+    out = _spread_in_turn(counters, 2)
+    assert out[1, 0] == 0 and out[0, 1] == out[1, 1] == min(own_affinity)
+    assert os.sched_getaffinity(0) == {min(own_affinity)}
