@@ -46,6 +46,10 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 # (narrower ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
+# Inside BLAS_IN_PARTS a GEMM of at least this many multiply-adds runs in parts on helper
+# threads (threads.gemm_in_parts); a smaller one costs less than waking a helper.
+# Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
+PARTS_WORK = 1 << 24
 OWN_GRADIENT_WORK = 1 << 29
 
 
@@ -115,8 +119,11 @@ class CpuBackend:
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
         """The context an op's numpy BLAS calls run in: one thread in a torch program's call
-        (threads.BlasOneThread), and with own_gemms (pair_products) in every program."""
-        return threads.BLAS_ONE_THREAD_ALWAYS if own_gemms else threads.BLAS_ONE_THREAD
+        (threads.BlasOneThread), and with own_gemms (pair_products) in every program; a
+        fused layer's numpy program runs its large GEMMs in parts (matmul) instead."""
+        if own_gemms:
+            return threads.BLAS_ONE_THREAD_ALWAYS
+        return threads.BLAS_ONE_THREAD if config.projection_size else threads.BLAS_IN_PARTS
 
     @staticmethod
     def pair_products(storage):
@@ -139,7 +146,8 @@ class CpuBackend:
         in a torch program on torch's GEMM and pool (OpenBLAS's spinning threads took a core
         from its ops; one thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the
         micro-kernel after torch's transposing copy; a^T @ b over one row (an outer product)
-        outside a torch program on the micro-kernel, or numpy's multiply. With `pairs`
+        outside a torch program on the micro-kernel, or numpy's multiply; numpy's inside
+        BLAS_IN_PARTS, PARTS_WORK or more, in parts on helper threads. With `pairs`
         (pair_scratch's uint32s, where pair_products; `half`: bfloat16) on bfloat16 pairs;
         a_paired: `pairs` still holds a's pairs.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
@@ -170,6 +178,9 @@ class CpuBackend:
             return np.multiply(column, row, out=out)
         if host is None or not same or not all(
                 x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
+            parts = threads.blas_parts()
+            if parts > 1 and same and out.flags.c_contiguous and M * K * C >= PARTS_WORK:
+                return threads.gemm_in_parts(a.T if transpose_a else a, b, out, parts)
             return np.matmul(a.T if transpose_a else a, b, out=out)
         if transpose_a and C >= OWN_GRADIENT_COLUMNS and M * K * C >= OWN_GRADIENT_WORK \
                 and out.dtype == np.float32 and out.flags.c_contiguous:

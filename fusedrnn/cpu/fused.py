@@ -31,7 +31,7 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
       wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
       bias_rows (2, B, G, 16)  in  bx, bh by block (bias_rows_of): the products start
                                  from them (bx with x16 only, else added as a row)
-    counters (T + 1 + 2W, stride) int64   zero on entry, workshare.new_counters's layout
+    counters (T + 2 + masks, stride) int64  zero on entry, workshare.new_counters's layout
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All C-contiguous, of one dtype (but lengths, counters, bf16 bits); no two overlap.
 """
@@ -201,7 +201,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                 pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
                             h_cols[p])
         for worker in prange(workers):   # each walks every step (workshare.py)
-            moved = spread(counters, worker, workers)   # off a CPU another worker holds
+            held = spread(counters, worker, workers)   # off a CPU another worker holds
             wb = w_rows[worker % w_rows.shape[0]]   # its widened bf16 weight rows, or empty
             for step in range(T):
                 t = step if d == 0 else T - 1 - step
@@ -329,7 +329,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                     row_copy(rec + k * H * itemsize,
                                              trow + (_S + k) * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
-            settle(counters, worker, workers, moved)
+            settle(counters, worker, workers, held)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_forward)
 
@@ -383,7 +383,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         pair = 2 if N >= PAIR_ROWS and blocks >= 2 * workers else 1
         claims = -(-blocks // pair)
         for worker in prange(workers):   # each walks every step (workshare.py)
-            moved = spread(counters, worker, workers)   # off a CPU another worker holds
+            held = spread(counters, worker, workers)   # off a CPU another worker holds
             for step in range(T):
                 t = T - 1 - step if d == 0 else step           # forward order reversed
                 later = t + 1 if d == 0 else t - 1             # the step processed just before
@@ -498,7 +498,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                             if has_c:
                                 row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
-            settle(counters, worker, workers, moved)
+            settle(counters, worker, workers, held)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_backward)
 

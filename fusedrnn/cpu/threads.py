@@ -22,13 +22,17 @@ the running layer stays; we warn when it is one that spins (OpenMP outside torch
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import os
+import queue
 import sys
 import threading
 import types
 import warnings
 
 import numba
+import numpy as np
 import threadpoolctl
 
 from ..config import TORCH_CALLER
@@ -130,13 +134,15 @@ class BlasOneThread:
     """A reusable context: a torch program's call (config.TORCH_CALLER) on the main thread
     runs numpy's BLAS on one thread inside it: OpenBLAS's spinning workers took a core from
     torch's ops. A numpy program's GEMMs gain from the second thread (left alone, but by
-    BLAS_ONE_THREAD_ALWAYS), and other threads leave it alone (the count is process-wide,
-    and a second thread's change was not always honoured).
+    BLAS_ONE_THREAD_ALWAYS and BLAS_IN_PARTS), and other threads leave it alone (the count
+    is process-wide, and a second thread's change was not always honoured). With `parts`,
+    blas_parts() is the thread count BLAS had, for gemm_in_parts, while it is capped.
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
 
-    def __init__(self, always=False, spare_one=False):
+    def __init__(self, always=False, spare_one=False, parts=False):
         self._always = always   # cap in a numpy program's calls too
         self._spare_one = spare_one   # cap at one thread fewer than BLAS has, not at one
+        self._parts = parts   # the capped GEMMs may run in parts on helper threads
         self._entered = []   # the main thread's nested entries: whether each capped
         self._libs, self._saved = None, []
 
@@ -152,6 +158,8 @@ class BlasOneThread:
             for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(max(1, threads - 1) if self._spare_one else 1)
+            if self._parts and not self._spare_one:
+                _parts.count = max(self._saved, default=1)
         self._entered.append(cap)
         return self
 
@@ -159,10 +167,79 @@ class BlasOneThread:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self._entered.pop():
+            _parts.count = 1
             for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(threads)
         return False
+
+
+class _Parts:
+    count = 1   # blas_parts()
+
+
+_parts = _Parts()
+
+
+def blas_parts():
+    """gemm_in_parts' count here: BLAS's own threads inside BLAS_IN_PARTS (main thread)."""
+    if _parts.count == 1 or threading.current_thread() is not threading.main_thread():
+        return 1
+    return _parts.count
+
+
+class _Helpers:
+    """Threads for a GEMM's other parts (again after a fork), asleep on a queue between."""
+
+    def __init__(self):
+        self._queues, self._pid = [], None
+
+    def run(self, tasks):
+        """tasks[0]() here, the rest on helpers; when all are done, raise the first error."""
+        if self._pid != os.getpid():   # (threads do not survive a fork)
+            self._queues, self._pid = [], os.getpid()
+        while len(self._queues) < len(tasks) - 1:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), daemon=True,
+                             name=f"fusedrnn-gemm-{len(self._queues) + 1}").start()
+            self._queues.append(jobs)
+        done = [threading.Event() for _ in tasks[1:]]
+        errors = [None] * len(tasks)
+        for k, (jobs, event) in enumerate(zip(self._queues[:len(done)], done, strict=True)):
+            jobs.put((tasks[k + 1], event, errors, k + 1))
+        try:
+            tasks[0]()
+        except BaseException as error:   # (re-raised once the helpers are done)
+            errors[0] = error
+        for event in done:
+            event.wait()
+        for error in errors:
+            if error is not None:
+                raise error
+
+    @staticmethod
+    def _serve(jobs):
+        while True:
+            task, event, errors, k = jobs.get()
+            try:
+                task()
+            except BaseException as error:
+                errors[k] = error
+            event.set()
+
+
+_helpers = _Helpers()
+
+
+def gemm_in_parts(a, b, out, parts):
+    """out = a @ b (a may be a^T's view) in `parts` row blocks, numpy's matmul each, the
+    first here and the rest on helper threads (matmul releases the GIL). Returns out."""
+    M = out.shape[0]
+    bounds = [M * k // parts for k in range(parts + 1)]
+    tasks = [functools.partial(np.matmul, a[lo:hi], b, out=out[lo:hi])
+             for lo, hi in itertools.pairwise(bounds) if hi > lo]
+    _helpers.run(tasks)
+    return out
 
 
 BLAS_ONE_THREAD = BlasOneThread()
@@ -170,5 +247,9 @@ BLAS_ONE_THREAD = BlasOneThread()
 # small products, whose spinning workers slowed the GEMMs after them: capped everywhere.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-openblas-spinning-in-a-numpy-program
 BLAS_ONE_THREAD_ALWAYS = BlasOneThread(always=True)
+# A numpy program's fused calls: BLAS on one thread, so no OpenBLAS worker is woken to
+# spin beside the loops after a GEMM; matmul runs the large GEMMs in parts instead.
+# Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
+BLAS_IN_PARTS = BlasOneThread(always=True, parts=True)
 # The first tier's GEMMs leave one core to the background compile (firsttier.py).
 BLAS_SPARE_ONE = BlasOneThread(always=True, spare_one=True)

@@ -261,7 +261,11 @@ def test_every_op_runs_its_numpy_blas_in_the_capping_scope(T, N, H):
     thread (its large GEMMs run on torch's pool, CpuBackend.matmul)."""
     config = RNNConfig(mode="lstm", input_size=H, state_size=H, num_layers=2,
                        bidirectional=True)
-    assert BACKEND.blas_scope(config, T, N) is threads.BLAS_ONE_THREAD
+    # a fused layer's: one thread in any program, a numpy program's GEMMs in parts
+    assert BACKEND.blas_scope(config, T, N) is threads.BLAS_IN_PARTS
+    projected = RNNConfig(mode="lstm", input_size=H, state_size=H, num_layers=2,
+                          projection_size=H // 2)
+    assert BACKEND.blas_scope(projected, T, N) is threads.BLAS_ONE_THREAD
 
 
 def test_a_numpy_programs_call_leaves_blas_alone(two_blas_threads):
@@ -286,7 +290,7 @@ def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_thread
     op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(ml_dtypes.bfloat16))
     assert (op.blas is threads.BLAS_ONE_THREAD_ALWAYS) == BACKEND.pair_products("bfloat16")
     float_op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(np.float32))
-    assert float_op.blas is threads.BLAS_ONE_THREAD
+    assert float_op.blas is threads.BLAS_IN_PARTS
 
 
 @pytest.mark.parametrize("caller", ["numpy", "torch"])
@@ -300,6 +304,91 @@ def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threa
         TORCH_CALLER.reset(token)
     assert _blas_threads() == two_blas_threads
 
+
+
+def test_blas_in_parts_caps_blas_and_counts_its_threads(two_blas_threads):
+    """BLAS_IN_PARTS caps numpy's BLAS at one thread in a numpy program too, and meanwhile
+    blas_parts() is the count it had, on the main thread only; all undone on the way out."""
+    assert threads.blas_parts() == 1
+    seen = []
+    with threads.BLAS_IN_PARTS:
+        assert set(_blas_threads()) == {1} and threads.blas_parts() == 2
+        with threads.BLAS_ONE_THREAD_ALWAYS:   # nested: the outer entry counts
+            assert threads.blas_parts() == 2
+        worker = threading.Thread(target=lambda: seen.append(threads.blas_parts()))
+        worker.start()
+        worker.join()
+    assert seen == [1] and threads.blas_parts() == 1
+    assert _blas_threads() == two_blas_threads
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_gemm_in_parts_is_the_product(parts, transpose_a):
+    rng = np.random.default_rng(parts)
+    a = rng.standard_normal((37, 29)).astype(np.float32)   # rows not a multiple of parts
+    b = rng.standard_normal((37 if transpose_a else 29, 11)).astype(np.float32)
+    left = a.T if transpose_a else a                        # a^T: a strided view
+    out = np.full((left.shape[0], 11), np.nan, np.float32)  # poisoned
+    assert threads.gemm_in_parts(left, b, out, parts) is out
+    want = left.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_part_that_fails_raises_here_and_the_helpers_go_on():
+    a, b = np.ones((8, 3), np.float32), np.ones((4, 5), np.float32)   # inner sizes differ
+    with pytest.raises(ValueError):
+        threads.gemm_in_parts(a, b, np.empty((8, 5), np.float32), 2)
+    out = threads.gemm_in_parts(a, np.ones((3, 5), np.float32), np.empty((8, 5), np.float32),
+                                2)
+    assert (out == 3).all()
+
+
+def _parts_in_child(conn):
+    out = threads.gemm_in_parts(np.ones((6, 2)), np.ones((2, 3)), np.empty((6, 3)), 2)
+    conn.send(float(out.sum()))
+
+
+def test_a_forked_child_starts_its_own_helpers():
+    import multiprocessing
+    threads.gemm_in_parts(np.ones((6, 2)), np.ones((2, 3)), np.empty((6, 3)), 2)
+    context = multiprocessing.get_context("fork")
+    mine, theirs = context.Pipe()
+    child = context.Process(target=_parts_in_child, args=(theirs,))
+    child.start()
+    got = mine.recv() if mine.poll(60) else None   # (a child waiting on its parent's
+    child.join(60)                                  # helpers would never answer)
+    assert got == 36.0 and child.exitcode == 0
+
+
+def test_a_numpy_programs_training_gemms_run_in_parts(two_blas_threads, monkeypatch):
+    """A fused layer's training call in a numpy program runs its GEMMs in parts (here from
+    any size) with BLAS on one thread, to the same gradients as in one piece."""
+    import fusedrnn.cpu as cpu
+    case, kw, heads = make_case("gru", T=6, N=5, L=2, D=2, dtype=np.float32)
+
+    def grads():
+        out, handle = fusedrnn.RNN(**case, **kw, train=True)
+        return fusedrnn.rnn_backward(handle, heads["dout"])
+
+    whole = grads()
+    calls = []
+    monkeypatch.setattr(cpu, "PARTS_WORK", 1)
+    original = threads.gemm_in_parts
+
+    def spy(a, b, out, parts):
+        calls.append((parts, set(_blas_threads())))
+        return original(a, b, out, parts)
+
+    monkeypatch.setattr(threads, "gemm_in_parts", spy)
+    fusedrnn.clear_cache()
+    in_parts = grads()
+    assert calls and all(call == (2, {1}) for call in calls)
+    for got, want in zip(in_parts, whole, strict=True):
+        assert (got is None) == (want is None)
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert _blas_threads() == two_blas_threads
 
 
 class _Refusing:

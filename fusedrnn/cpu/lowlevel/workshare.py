@@ -13,24 +13,26 @@ Blocks are claimed, never assigned: worker w takes its own [w*B/W, (w+1)*B/W) fi
 stopped cannot hang the barrier: it only waits for blocks a running worker holds.
 
 Workers on one core run the loop as one, and a waiter holds the core the other needs;
-the scheduler often wakes a region's workers onto one CPU. So a worker leaves a CPU an
-earlier one holds, for the region (spread, settle), and a long wait yields (finish).
+the scheduler often wakes a region's workers onto one CPU. So a worker that finds its CPU
+taken leaves it for the region (spread, settle), and a long wait yields (finish, POSIX).
 Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 
-counters (T + 1 + 2W, stride) int64, zero on entry, rows on 64-byte lines (new_counters):
-    row `step` < T holds each share's claim count (columns 0..W-1) and, alone on the last
-    line (spinners do not slow the claims), the step's finished-block count (column
-    stride-8). Row T: each worker's CPU + 1 once spread (columns 0..W-1), then spread's
-    ticket lock (W: next ticket, W+1: now serving). Rows T+1+2w, T+2+2w: worker w's
-    affinity as it was and as spread narrowed it (MASK_WORDS int64s each: a cpu_set_t).
+counters (T + 2, stride) int64 and then 2W cpu sets, zero on entry, rows on 64-byte lines
+    (new_counters): row `step` < T holds each share's claim count (columns 0..W-1) and,
+    alone on the last line (spinners do not slow the claims), the step's finished-block
+    count (column stride-8). Row T: the CPUs the region's workers hold (a cpu set). Row
+    T+1, column 0: the launching thread's pthread id (never moved: it is the caller's).
+    Then worker w's affinity as it was and as spread narrowed it (MASK_WORDS int64s
+    each, a cpu_set_t, at words 2*w*MASK_WORDS and (2*w+1)*MASK_WORDS past row T+2).
 
 claim(counters, step, worker, workers, blocks) -> b, or -1 when the step has none left
 finish(counters, step, done, blocks)
     add this worker's `done` blocks to the step's count, then wait until it is `blocks`
     (a seq-cst add, acquire loads: stores before finish are visible to all after theirs)
-spread(counters, worker, workers) -> whether this worker left its CPU (Linux; else never)
-settle(counters, worker, workers, moved)
-    at the region's end: a worker that left its CPU gets its affinity back
+spread(counters, worker, workers) -> what settle needs: the CPU this worker took in row
+    T (+1; 0: none) and whether it moved (Linux; elsewhere it never looks)
+settle(counters, worker, workers, held)
+    at the region's end: the CPU given back, and a moved worker's affinity
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ __all__ = ["claim", "finish", "new_counters", "settle", "spread"]
 
 LINE = 8   # int64 counters per 64-byte cache line
 MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) as int64s; a stride holds one (new_counters)
-# Pauses a waiter spins before it also yields: longer than most waits at a step's end
-# (one block's work), far shorter than a scheduler's time slice.
+# Pauses a waiter spins before it also yields: not critical (from a tenth to ten times
+# this alike), short of a scheduler's time slice
+# Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 SPINS_BEFORE_YIELD = 1000
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -57,19 +60,21 @@ _LINUX = platform.system() == "Linux"   # sched_getcpu and thread affinity
 
 
 def new_counters(steps, workers):
-    """Zeroed (steps + 1 + 2 * workers, stride) int64 counters for one launch (module
-    docstring), rows on 64-byte lines; small ones a view of this thread's buffer, held by
-    the launch that follows until it returns."""
+    """Zeroed counters for one launch (module docstring), rows on 64-byte lines; small ones
+    a view of this thread's buffer, held by the launch that follows until it returns."""
     stride = LINE * (-(-workers // LINE) + 1)
-    rows = steps + 1 + 2 * workers
+    rows = steps + 2 + -(-2 * workers * MASK_WORDS // stride)
     size = rows * stride
     if size > SPARE:
-        return _aligned(size).reshape(rows, stride)
-    flat = getattr(_spare, "flat", None)
-    if flat is None:
-        flat = _spare.flat = _aligned(SPARE)
-    counters = flat[:size].reshape(rows, stride)
-    counters.fill(0)
+        counters = _aligned(size).reshape(rows, stride)
+    else:
+        flat = getattr(_spare, "flat", None)
+        if flat is None:
+            flat = _spare.flat = _aligned(SPARE)
+        counters = flat[:size].reshape(rows, stride)
+        counters.fill(0)
+    me = threading.get_ident()   # (pthread_self's value on POSIX), as an int64's bits
+    counters[steps + 1, 0] = me - (1 << 64) if me >= 1 << 63 else me
     return counters
 
 
@@ -84,19 +89,29 @@ SPARE = 4096   # int64s in each thread's buffer: the counters of T=200 at 8 work
 _spare = threading.local()
 
 
-@intrinsic
-def _fetch_add(typingctx, address, value):
-    """*address += value atomically (int64, sequentially consistent); returns the old."""
-    if not (isinstance(address, types.Integer) and isinstance(value, types.Integer)):
-        return None
+def _atomic_intrinsic(operation):
+    """f(address, value) -> int64: *address = *address `operation` value atomically (int64,
+    sequentially consistent); returns the old value."""
 
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(context.cast(builder, args[0], signature.args[0], types.intp),
-                               ir.IntType(64).as_pointer())
-        amount = context.cast(builder, args[1], signature.args[1], types.int64)
-        return builder.atomic_rmw("add", ptr, amount, "seq_cst")
+    @intrinsic
+    def fetch(typingctx, address, value):
+        if not (isinstance(address, types.Integer) and isinstance(value, types.Integer)):
+            return None
 
-    return types.int64(address, value), codegen
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(context.cast(builder, args[0], signature.args[0],
+                                                types.intp), ir.IntType(64).as_pointer())
+            amount = context.cast(builder, args[1], signature.args[1], types.int64)
+            return builder.atomic_rmw(operation, ptr, amount, "seq_cst")
+
+        return types.int64(address, value), codegen
+
+    return fetch
+
+
+_fetch_add = _atomic_intrinsic("add")
+_fetch_or = _atomic_intrinsic("or")
+_fetch_and = _atomic_intrinsic("and")
 
 
 @intrinsic
@@ -129,7 +144,8 @@ def _spin_pause(typingctx):
 
 @intrinsic
 def _yield_core(typingctx):
-    """sched_yield(): the core to another thread that waits for it, if any (POSIX)."""
+    """sched_yield(): the core to another thread that waits for it, if any (POSIX; a no-op
+    elsewhere)."""
 
     def codegen(context, builder, signature, args):
         if platform.system() != "Windows":
@@ -155,6 +171,22 @@ def _current_cpu(typingctx):
     return types.int64(), codegen
 
 
+@intrinsic
+def _self_id(typingctx):
+    """pthread_self() as an int64's bits (POSIX; 0 elsewhere)."""
+
+    def codegen(context, builder, signature, args):
+        if platform.system() == "Windows":
+            return ir.Constant(ir.IntType(64), 0)
+        word = context.get_value_type(types.uintp)
+        ask = cgutils.get_or_insert_function(builder.module, ir.FunctionType(word, []),
+                                             "pthread_self")
+        return builder.zext(builder.call(ask, []), ir.IntType(64)) if word.width < 64 \
+            else builder.call(ask, [])
+
+    return types.int64(), codegen
+
+
 def _affinity_intrinsic(name):
     """f(address) -> int64: glibc's `name` (sched_get/setaffinity) for this thread and
     the MASK_WORDS-word cpu set at address; 0 on success, else (and off Linux) -1."""
@@ -167,13 +199,13 @@ def _affinity_intrinsic(name):
         def codegen(context, builder, signature, args):
             if not _LINUX:
                 return ir.Constant(ir.IntType(64), -1)
+            size = context.get_value_type(types.uintp)   # size_t
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.IntType(32), [ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()]),
-                name)
+                ir.IntType(32), [ir.IntType(32), size, ir.IntType(8).as_pointer()]), name)
             mask = builder.inttoptr(context.cast(builder, args[0], signature.args[0], types.intp),
                                     ir.IntType(8).as_pointer())
             done = builder.call(fn, [ir.Constant(ir.IntType(32), 0),
-                                     ir.Constant(ir.IntType(64), MASK_WORDS * 8), mask])
+                                     ir.Constant(size, MASK_WORDS * 8), mask])
             return builder.sext(done, ir.IntType(64))
 
         return types.int64(address), codegen
@@ -218,43 +250,51 @@ def finish(counters, step, done, blocks):
 
 @nb.njit(inline="always")
 def spread(counters, worker, workers):
-    """Where an earlier worker (in the lock's order) holds this one's CPU, narrow this
-    thread's affinity by that CPU, which moves it. Returns whether it did (settle)."""
-    if workers < 2 or _current_cpu() < 0:
-        return False
+    """Take this worker's CPU in row T's set; where another holds it, narrow this thread's
+    affinity by the set (it moves) but for the launching thread's. (CPU taken + 1, moved)."""
+    cpu = _current_cpu()
+    if workers < 2 or cpu < 0 or cpu >= MASK_WORDS * 64:
+        return 0, False
     stride = counters.shape[1]
-    row = counters.shape[0] - 1 - 2 * workers
-    slots = counters.ctypes.data + row * stride * 8
-    ticket = _fetch_add(slots + workers * 8, 1)   # the lock: one worker decides at a time
-    spins = 0
-    while _load_acquire(slots + (workers + 1) * 8) != ticket:
-        spins = _wait(spins)
-    cpu, moved = _current_cpu(), False
-    for other in range(workers):
-        if other != worker and _load_acquire(slots + other * 8) == cpu + 1:
-            kept, narrowed = row + 1 + 2 * worker, row + 2 + 2 * worker
-            word, bit = cpu // 64, cpu % 64
-            if word < MASK_WORDS and _get_affinity(
-                    counters.ctypes.data + kept * stride * 8) == 0:
-                others = 0
-                for i in range(MASK_WORDS):
-                    counters[narrowed, i] = counters[kept, i]
-                counters[narrowed, word] &= ~(np.int64(1) << np.int64(bit))
-                for i in range(MASK_WORDS):
-                    others |= counters[narrowed, i]
-                if others != 0 and _set_affinity(
-                        counters.ctypes.data + narrowed * stride * 8) == 0:
-                    moved = True
-                    cpu = _current_cpu()
-            break
-    _fetch_add(slots + worker * 8, cpu + 1)
-    _fetch_add(slots + (workers + 1) * 8, 1)   # the next ticket's turn
-    return moved
+    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))   # T
+    held = counters.ctypes.data + row * stride * 8
+    bit = np.int64(1) << np.int64(cpu % 64)
+    if _fetch_or(held + (cpu // 64) * 8, bit) & bit == 0:
+        return cpu + 1, False   # a CPU of its own
+    masks = counters.ctypes.data + (row + 2) * stride * 8 + 2 * worker * MASK_WORDS * 8
+    kept = (row + 2) * stride + 2 * worker * MASK_WORDS   # flat word indices of its sets
+    flat = counters.reshape(-1)
+    if _self_id() == counters[row + 1, 0] or _get_affinity(masks) != 0:
+        return 0, False
+    free = 0
+    for i in range(MASK_WORDS):   # its own affinity less every CPU held
+        flat[kept + MASK_WORDS + i] = flat[kept + i] & ~_load_acquire(held + i * 8)
+        free |= flat[kept + MASK_WORDS + i]
+    if free == 0 or _set_affinity(masks + MASK_WORDS * 8) != 0:
+        return 0, False
+    cpu = _current_cpu()
+    if cpu < 0 or cpu >= MASK_WORDS * 64:
+        return 0, True
+    bit = np.int64(1) << np.int64(cpu % 64)
+    if _fetch_or(held + (cpu // 64) * 8, bit) & bit != 0:
+        return 0, True   # (another worker took it meanwhile: leave its claim alone)
+    return cpu + 1, True
 
 
 @nb.njit(inline="always")
-def settle(counters, worker, workers, moved):
-    """A worker spread moved gets its affinity back (and stays where it runs)."""
+def settle(counters, worker, workers, held):
+    """Give back spread's CPU and affinity (refused: every CPU, the kernel keeps its own)."""
+    cpu, moved = held
+    stride = counters.shape[1]
+    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))
+    if cpu > 0:
+        bit = np.int64(1) << np.int64((cpu - 1) % 64)
+        _fetch_and(counters.ctypes.data + (row * stride + (cpu - 1) // 64) * 8, ~bit)
     if moved:
-        row = counters.shape[0] - 1 - 2 * workers + 1 + 2 * worker
-        _set_affinity(counters.ctypes.data + row * counters.shape[1] * 8)
+        masks = counters.ctypes.data + (row + 2) * stride * 8 + 2 * worker * MASK_WORDS * 8
+        if _set_affinity(masks) != 0:
+            flat = counters.reshape(-1)
+            start = (row + 2) * stride + 2 * worker * MASK_WORDS
+            for i in range(MASK_WORDS):
+                flat[start + i] = -1
+            _set_affinity(masks)

@@ -10,35 +10,29 @@
     with a time limit so that a barrier that waits forever fails the test instead of
     hanging it: results bitwise equal to the normal run's (a block's arithmetic does
     not depend on who runs it).
-    Every thread of that process has its affinity back afterwards: run one after
-    another on one thread, later workers find an earlier one's CPU and leave it (spread).
+    Every thread of that process has its affinity back afterwards (spread, settle).
 (c) new_counters: zeroed, every row on a 64-byte line, the done count alone on the
-    row's last line; after the steps' rows, the CPU slots' row and two rows per worker
-    that each hold a cpu_set_t.
-(d) spread and settle, driven on this thread: a second worker on the first one's CPU
-    leaves it, with this thread's affinity narrowed by that CPU alone, and settle gives
-    the affinity back; a lone worker, a thread allowed one CPU and a worker whose CPU no
-    one holds stay. Off Linux spread never moves.
+    row's last line; after the steps' rows, the held CPUs' set, the launching thread's
+    id, and room for two cpu sets per worker.
+(d) spread and settle, driven on this thread: a worker whose CPU another holds moves to
+    a CPU no one holds, with this thread's affinity narrowed by the held set, and settle
+    gives the CPU and the affinity back; a worker on a CPU of its own, a lone worker, a
+    thread allowed only held CPUs and the launching thread stay. Off Linux spread never
+    looks. The other workers' CPUs are set in the held set by hand, so the test does not
+    depend on where the scheduler puts this thread.
 """
 import os
 import platform
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.lowlevel.workshare import (
-    LINE,
-    MASK_WORDS,
-    _current_cpu,
-    claim,
-    new_counters,
-    settle,
-    spread,
-)
+from fusedrnn.cpu.lowlevel.workshare import LINE, MASK_WORDS, claim, new_counters, settle, spread
 
 
 @nb.njit
@@ -163,39 +157,44 @@ def test_more_workers_than_threads_neither_hangs_nor_changes_results():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("steps, workers", [(1, 1), (300, 2), (4, 8), (3, 9)])
+@pytest.mark.parametrize("steps, workers", [(1, 1), (300, 2), (4, 8), (3, 9), (2, 64)])
 def test_new_counters_layout(steps, workers):
     counters = new_counters(steps, workers)
-    assert counters.dtype == np.int64 and counters.shape[0] == steps + 1 + 2 * workers
-    assert not counters.any()
     stride = counters.shape[1]
+    assert counters.dtype == np.int64
+    assert counters.shape[0] == steps + 2 + -(-2 * workers * MASK_WORDS // stride)
+    assert counters[steps + 1, 0] == _as_int64(threading.get_ident())
+    counters[steps + 1, 0] = 0
+    assert not counters.any()
     assert stride % LINE == 0 and stride - LINE >= workers   # claims, then the done line
-    assert stride >= workers + 2 and stride >= MASK_WORDS   # the slots and lock; a mask
+    assert stride >= MASK_WORDS   # row T: a cpu set
     assert counters.ctypes.data % 64 == 0 and counters.strides == (stride * 8, 8)
 
 
-@nb.njit
-def _spread_in_turn(counters, workers):
-    """spread for workers 0..workers-1, one after another on this thread: (moved, CPU
-    after) of each."""
-    out = np.zeros((workers, 2), np.int64)
-    for w in range(workers):
-        out[w, 0] = spread(counters, w, workers)
-        out[w, 1] = _current_cpu()
-    return out
+def _as_int64(ident):
+    return ident - (1 << 64) if ident >= 1 << 63 else ident
 
 
 @nb.njit
-def _settle(counters, worker, workers, moved):
-    settle(counters, worker, workers, moved)
+def _spread(counters, worker, workers):
+    return spread(counters, worker, workers)
 
 
 @nb.njit
-def _cpu():
-    return _current_cpu()
+def _settle(counters, worker, workers, held):
+    settle(counters, worker, workers, held)
 
 
 _LINUX = platform.system() == "Linux"
+
+
+def _cpus(words):
+    return {c for c in range(MASK_WORDS * 64) if int(words[c // 64]) >> (c % 64) & 1}
+
+
+def _hold(counters, steps, cpus):
+    for c in cpus:
+        counters[steps, c // 64] |= np.int64(1) << np.int64(c % 64)
 
 
 @pytest.fixture
@@ -207,50 +206,55 @@ def own_affinity():
         os.sched_setaffinity(0, allowed)
 
 
-def test_a_second_worker_on_the_first_ones_cpu_leaves_it_for_the_region(own_affinity):
+def _not_launcher(counters, steps):
+    counters[steps + 1, 0] = 0   # as if a pool thread, not this one, ran the region
+
+
+def test_a_worker_whose_cpu_is_held_moves_to_a_free_one(own_affinity):
+    if not _LINUX:
+        assert _spread(new_counters(1, 2), 1, 2) == (0, False)
+        return
+    if len(own_affinity) < 2:
+        pytest.fail("needs a thread allowed two CPUs (CI has two)")
+    free = max(own_affinity)
     steps, workers = 3, 2
     counters = new_counters(steps, workers)
-    out = _spread_in_turn(counters, workers)
-    first = out[0, 1]
-    assert out[0, 0] == 0   # the first worker finds no one before it
-    slots = counters[steps]
-    assert slots[workers] == slots[workers + 1] == workers   # tickets taken, all served
-    if not _LINUX:
-        assert out[1, 0] == 0 and first == -1
-        return
-    assert first in own_affinity and slots[0] == first + 1
-    if len(own_affinity) == 1:   # nowhere to go
-        assert out[1, 0] == 0 and os.sched_getaffinity(0) == own_affinity
-        return
-    assert out[1, 0] == 1
-    assert os.sched_getaffinity(0) == own_affinity - {first}
-    assert out[1, 1] != first and slots[1] == out[1, 1] + 1
-    kept = counters[steps + 1 + 2 * 1]   # worker 1's mask as it was
-    assert {c for c in range(MASK_WORDS * 64) if kept[c // 64] >> (c % 64) & 1} == own_affinity
-    _settle(counters, 1, workers, True)
+    _not_launcher(counters, steps)
+    _hold(counters, steps, own_affinity - {free})   # the others hold all CPUs but one
+    held = _spread(counters, 1, workers)
+    stayed = held == (free + 1, False)   # it ran on the free CPU already
+    assert stayed or held == (free + 1, True), held
+    assert _cpus(counters[steps]) == own_affinity   # ... and took it
+    if not stayed:
+        assert os.sched_getaffinity(0) == {free}
+        sets = counters[steps + 2:].reshape(-1)[2 * MASK_WORDS:4 * MASK_WORDS]
+        assert _cpus(sets[:MASK_WORDS]) == own_affinity and _cpus(sets[MASK_WORDS:]) == {free}
+    _settle(counters, 1, workers, held)
     assert os.sched_getaffinity(0) == own_affinity
-
-
-@nb.njit
-def _spread_one(counters, worker, workers):
-    return spread(counters, worker, workers)
+    assert _cpus(counters[steps]) == own_affinity - {free}   # its CPU given back
 
 
 def test_workers_that_stay(own_affinity):
+    steps = 2
     # a lone worker never looks
-    counters = new_counters(2, 1)
-    assert _spread_in_turn(counters, 1)[0, 0] == 0 and not counters[2].any()
-    # a worker whose CPU the earlier one does not hold
-    counters = new_counters(2, 2)
-    counters[2, 0] = (_cpu() + 1) + 1   # worker 0 on the next CPU (slots hold CPU + 1)
-    counters[2, 2] = counters[2, 3] = 1   # ... and through the lock: ticket 1 is served
-    assert _spread_one(counters, 1, 2) == 0
+    counters = new_counters(steps, 1)
+    assert _spread(counters, 0, 1) == (0, False) and not counters[steps].any()
     if not _LINUX:
         return
+    # a worker on a CPU no one holds takes it
+    counters = new_counters(steps, 2)
+    _not_launcher(counters, steps)
+    cpu, moved = _spread(counters, 1, 2)
+    assert not moved and cpu - 1 in own_affinity and _cpus(counters[steps]) == {cpu - 1}
+    _settle(counters, 1, 2, (cpu, moved))
+    assert not counters[steps].any()
+    # the launching thread stays wherever it is
+    counters = new_counters(steps, 2)
+    _hold(counters, steps, own_affinity)
+    assert _spread(counters, 1, 2) == (0, False)
+    # a thread allowed only held CPUs has nowhere to go
+    counters = new_counters(steps, 2)
+    _not_launcher(counters, steps)
+    _hold(counters, steps, own_affinity)
+    assert _spread(counters, 1, 2) == (0, False)
     assert os.sched_getaffinity(0) == own_affinity
-    # a thread allowed one CPU has nowhere to go
-    os.sched_setaffinity(0, {min(own_affinity)})
-    counters = new_counters(2, 2)
-    out = _spread_in_turn(counters, 2)
-    assert out[1, 0] == 0 and out[0, 1] == out[1, 1] == min(own_affinity)
-    assert os.sched_getaffinity(0) == {min(own_affinity)}
