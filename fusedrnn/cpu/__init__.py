@@ -47,7 +47,7 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
 # Inside BLAS_IN_PARTS a GEMM of at least this many multiply-adds runs in parts on helper
-# threads (threads.gemm_in_parts); a smaller one costs less than waking a helper.
+# threads (threads.gemm_in_parts), in parts of half that or more; smaller ones gained nothing.
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
 OWN_GRADIENT_WORK = 1 << 29
@@ -178,8 +178,8 @@ class CpuBackend:
             return np.multiply(column, row, out=out)
         if host is None or not same or not all(
                 x.flags.writeable and min(x.strides, default=0) >= 0 for x in (a, b, out)):
-            parts = threads.blas_parts()
-            if parts > 1 and same and out.flags.c_contiguous and M * K * C >= PARTS_WORK:
+            parts = min(threads.blas_parts(), M * K * C // max(1, PARTS_WORK // 2))
+            if parts > 1 and same and out.flags.c_contiguous:
                 return threads.gemm_in_parts(a.T if transpose_a else a, b, out, parts)
             return np.matmul(a.T if transpose_a else a, b, out=out)
         if transpose_a and C >= OWN_GRADIENT_COLUMNS and M * K * C >= OWN_GRADIENT_WORK \

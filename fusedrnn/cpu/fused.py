@@ -31,7 +31,7 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
       wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
       bias_rows (2, B, G, 16)  in  bx, bh by block (bias_rows_of): the products start
                                  from them (bx with x16 only, else added as a row)
-    counters (T + 2 + masks, stride) int64  zero on entry, workshare.new_counters's layout
+    counters (T + 2 + sets, stride) int64  workshare.new_counters's
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
     All C-contiguous, of one dtype (but lengths, counters, bf16 bits); no two overlap.
 """
@@ -52,6 +52,7 @@ from .lowlevel import (
     VECTOR_BITS,
     claim,
     finish,
+    hold_launcher,
     new_counters,
     pack_input_pairs,
     pack_input_weights,
@@ -200,6 +201,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                 pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
                 pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
                             h_cols[p])
+        launcher = hold_launcher(counters, workers)   # (workshare.py: where it works too)
         for worker in prange(workers):   # each walks every step (workshare.py)
             held = spread(counters, worker, workers)   # off a CPU another worker holds
             wb = w_rows[worker % w_rows.shape[0]]   # its widened bf16 weight rows, or empty
@@ -330,6 +332,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                              trow + (_S + k) * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
             settle(counters, worker, workers, held)
+        settle(counters, 0, workers, launcher)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_forward)
 
@@ -382,6 +385,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         # pairs where they leave every worker a claim (many cores, few blocks: singles)
         pair = 2 if N >= PAIR_ROWS and blocks >= 2 * workers else 1
         claims = -(-blocks // pair)
+        launcher = hold_launcher(counters, workers)   # (workshare.py: where it works too)
         for worker in prange(workers):   # each walks every step (workshare.py)
             held = spread(counters, worker, workers)   # off a CPU another worker holds
             for step in range(T):
@@ -499,6 +503,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                                 row_copy(dc_carry_n, trow + _DCC * PANEL * itemsize, width, like)
                 finish(counters, step, done, claims)
             settle(counters, worker, workers, held)
+        settle(counters, 0, workers, launcher)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_backward)
 

@@ -89,6 +89,7 @@ _forked_from_openmp = False
 
 def _after_fork_in_child():
     global _forked_from_openmp
+    _parts.count = 1   # (a fork inside another thread's capped call: no scope ends here)
     if _running_layer() == "omp":   # (the pool ran here, or in a process this one forked from)
         _forked_from_openmp = True
 
@@ -134,22 +135,22 @@ class BlasOneThread:
     """A reusable context: a torch program's call (config.TORCH_CALLER) on the main thread
     runs numpy's BLAS on one thread inside it: OpenBLAS's spinning workers took a core from
     torch's ops. A numpy program's GEMMs gain from the second thread (left alone, but by
-    BLAS_ONE_THREAD_ALWAYS and BLAS_IN_PARTS), and other threads leave it alone (the count
-    is process-wide, and a second thread's change was not always honoured). With `parts`,
-    blas_parts() is the thread count BLAS had, for gemm_in_parts, while it is capped.
+    BLAS_ONE_THREAD_ALWAYS and BLAS_IN_PARTS: blas_parts()), and other threads leave it
+    alone (the count is process-wide, and a second thread's change was not always honoured).
     Measured: bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
 
     def __init__(self, always=False, spare_one=False, parts=False):
         self._always = always   # cap in a numpy program's calls too
         self._spare_one = spare_one   # cap at one thread fewer than BLAS has, not at one
         self._parts = parts   # the capped GEMMs may run in parts on helper threads
-        self._entered = []   # the main thread's nested entries: whether each capped
+        self._entered = []   # the main thread's entries: (capped, blas_parts() before)
         self._libs, self._saved = None, []
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        cap = (self._always or TORCH_CALLER.get() is not None) and not any(self._entered)
+        cap = (self._always or TORCH_CALLER.get() is not None) and not any(
+            capped for capped, _ in self._entered)
         if cap:
             if self._libs is None:   # scanning the loaded libraries is slow: once
                 self._libs = threadpoolctl.ThreadpoolController().select(
@@ -158,16 +159,16 @@ class BlasOneThread:
             for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(max(1, threads - 1) if self._spare_one else 1)
-            if self._parts and not self._spare_one:
-                _parts.count = max(self._saved, default=1)
-        self._entered.append(cap)
+        self._entered.append((cap, _parts.count))
+        if cap and self._parts and TORCH_CALLER.get() is None:   # (torch's GEMMs: its pool)
+            _parts.count = max(self._saved, default=1)
         return self
 
     def __exit__(self, *exc):
         if threading.current_thread() is not threading.main_thread():
             return False
-        if self._entered.pop():
-            _parts.count = 1
+        capped, _parts.count = self._entered.pop()
+        if capped:
             for lib, threads in zip(self._libs, self._saved, strict=True):
                 if threads != 1:
                     lib.set_num_threads(threads)
@@ -203,16 +204,22 @@ class _Helpers:
             threading.Thread(target=self._serve, args=(jobs,), daemon=True,
                              name=f"fusedrnn-gemm-{len(self._queues) + 1}").start()
             self._queues.append(jobs)
-        done = [threading.Event() for _ in tasks[1:]]
-        errors = [None] * len(tasks)
-        for k, (jobs, event) in enumerate(zip(self._queues[:len(done)], done, strict=True)):
-            jobs.put((tasks[k + 1], event, errors, k + 1))
+        errors, handed = [None] * len(tasks), []
         try:
+            for k, jobs in enumerate(self._queues[:len(tasks) - 1], 1):
+                handed.append(threading.Event())
+                jobs.put((tasks[k], handed[-1], errors, k))
             tasks[0]()
-        except BaseException as error:   # (re-raised once the helpers are done)
+        except BaseException as error:
             errors[0] = error
-        for event in done:
-            event.wait()
+        # waited for even through ^C: no part may write into `out` after the call ends
+        for event in handed:
+            while True:
+                try:
+                    if event.wait(0.1):
+                        break
+                except BaseException as error:
+                    errors[0] = errors[0] or error
         for error in errors:
             if error is not None:
                 raise error
@@ -235,10 +242,13 @@ def gemm_in_parts(a, b, out, parts):
     """out = a @ b (a may be a^T's view) in `parts` row blocks, numpy's matmul each, the
     first here and the rest on helper threads (matmul releases the GIL). Returns out."""
     M = out.shape[0]
+    if a.ndim != 2 or a.shape[0] != M or np.may_share_memory(out, a) or \
+            np.may_share_memory(out, b) or M < 2 or parts < 2:
+        return np.matmul(a, b, out=out)   # (numpy's checks and copies, in one piece)
+    parts = min(parts, M)
     bounds = [M * k // parts for k in range(parts + 1)]
-    tasks = [functools.partial(np.matmul, a[lo:hi], b, out=out[lo:hi])
-             for lo, hi in itertools.pairwise(bounds) if hi > lo]
-    _helpers.run(tasks)
+    _helpers.run([functools.partial(np.matmul, a[lo:hi], b, out=out[lo:hi])
+                  for lo, hi in itertools.pairwise(bounds)])
     return out
 
 
@@ -247,8 +257,8 @@ BLAS_ONE_THREAD = BlasOneThread()
 # small products, whose spinning workers slowed the GEMMs after them: capped everywhere.
 # Measured: bench/results/cpu-kernel-notes.md#bf16-openblas-spinning-in-a-numpy-program
 BLAS_ONE_THREAD_ALWAYS = BlasOneThread(always=True)
-# A numpy program's fused calls: BLAS on one thread, so no OpenBLAS worker is woken to
-# spin beside the loops after a GEMM; matmul runs the large GEMMs in parts instead.
+# A fused op's calls: BLAS on one thread, so no OpenBLAS worker is woken to spin beside
+# the loops after a GEMM; outside a torch program matmul runs large GEMMs in parts.
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 BLAS_IN_PARTS = BlasOneThread(always=True, parts=True)
 # The first tier's GEMMs leave one core to the background compile (firsttier.py).

@@ -315,6 +315,7 @@ def test_blas_in_parts_caps_blas_and_counts_its_threads(two_blas_threads):
         assert set(_blas_threads()) == {1} and threads.blas_parts() == 2
         with threads.BLAS_ONE_THREAD_ALWAYS:   # nested: the outer entry counts
             assert threads.blas_parts() == 2
+        assert threads.blas_parts() == 2          # ... and the inner exit keeps it
         worker = threading.Thread(target=lambda: seen.append(threads.blas_parts()))
         worker.start()
         worker.join()
@@ -333,6 +334,28 @@ def test_gemm_in_parts_is_the_product(parts, transpose_a):
     assert threads.gemm_in_parts(left, b, out, parts) is out
     want = left.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blas_in_parts_counts_no_parts_in_a_torch_program(two_blas_threads, torch_caller):
+    with threads.BLAS_IN_PARTS:   # (its GEMMs run on torch's pool)
+        assert set(_blas_threads()) == {1} and threads.blas_parts() == 1
+
+
+def test_more_parts_than_rows_and_float64():
+    a, b = np.arange(6.0).reshape(3, 2), np.arange(8.0).reshape(2, 4)
+    out = np.full((3, 4), np.nan)
+    np.testing.assert_array_equal(threads.gemm_in_parts(a, b, out, 5), a @ b)
+
+
+def test_a_failing_helper_part_raises_here():
+    def fail():
+        raise KeyError("a helper's part")
+    done = []
+    with pytest.raises(KeyError, match="a helper's part"):
+        threads._helpers.run([lambda: done.append(0), fail])
+    assert done == [0]
+    threads._helpers.run([lambda: done.append(1), lambda: done.append(2)])   # still served
+    assert sorted(done) == [0, 1, 2]
 
 
 def test_a_part_that_fails_raises_here_and_the_helpers_go_on():
@@ -354,10 +377,12 @@ def test_a_forked_child_starts_its_own_helpers():
     threads.gemm_in_parts(np.ones((6, 2)), np.ones((2, 3)), np.empty((6, 3)), 2)
     context = multiprocessing.get_context("fork")
     mine, theirs = context.Pipe()
-    child = context.Process(target=_parts_in_child, args=(theirs,))
+    child = context.Process(target=_parts_in_child, args=(theirs,), daemon=True)
     child.start()
     got = mine.recv() if mine.poll(60) else None   # (a child waiting on its parent's
     child.join(60)                                  # helpers would never answer)
+    if child.is_alive():
+        child.kill()
     assert got == 36.0 and child.exitcode == 0
 
 

@@ -17,11 +17,12 @@ the scheduler often wakes a region's workers onto one CPU. So a worker that find
 taken leaves it for the region (spread, settle), and a long wait yields (finish, POSIX).
 Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 
-counters (T + 2, stride) int64 and then 2W cpu sets, zero on entry, rows on 64-byte lines
+counters (T + 2, stride) int64 and then 2W cpu sets, zero but row T+1, rows on 64-byte lines
     (new_counters): row `step` < T holds each share's claim count (columns 0..W-1) and,
     alone on the last line (spinners do not slow the claims), the step's finished-block
     count (column stride-8). Row T: the CPUs the region's workers hold (a cpu set). Row
-    T+1, column 0: the launching thread's pthread id (never moved: it is the caller's).
+    T+1: the launching thread's pthread id (never moved: it is the caller's), and whether
+    it runs a share itself (the OpenMP layer's does; workqueue's waits).
     Then worker w's affinity as it was and as spread narrowed it (MASK_WORDS int64s
     each, a cpu_set_t, at words 2*w*MASK_WORDS and (2*w+1)*MASK_WORDS past row T+2).
 
@@ -29,8 +30,9 @@ claim(counters, step, worker, workers, blocks) -> b, or -1 when the step has non
 finish(counters, step, done, blocks)
     add this worker's `done` blocks to the step's count, then wait until it is `blocks`
     (a seq-cst add, acquire loads: stores before finish are visible to all after theirs)
-spread(counters, worker, workers) -> what settle needs: the CPU this worker took in row
-    T (+1; 0: none) and whether it moved (Linux; elsewhere it never looks)
+hold_launcher(counters, workers), spread(counters, worker, workers) -> what settle needs:
+    the CPU taken in row T (+1; 0: none) and whether it moved (Linux; elsewhere neither
+    looks)
 settle(counters, worker, workers, held)
     at the region's end: the CPU given back, and a moved worker's affinity
 """
@@ -46,7 +48,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["claim", "finish", "new_counters", "settle", "spread"]
+from ..threads import SLEEPING_WORKERS
+
+__all__ = ["claim", "finish", "hold_launcher", "new_counters", "settle", "spread"]
 
 LINE = 8   # int64 counters per 64-byte cache line
 MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) as int64s; a stride holds one (new_counters)
@@ -60,8 +64,8 @@ _LINUX = platform.system() == "Linux"   # sched_getcpu and thread affinity
 
 
 def new_counters(steps, workers):
-    """Zeroed counters for one launch (module docstring), rows on 64-byte lines; small ones
-    a view of this thread's buffer, held by the launch that follows until it returns."""
+    """Counters for one launch (module docstring), zero but row T+1, rows on 64-byte lines;
+    small ones a view of this thread's buffer, held by the launch that follows it."""
     stride = LINE * (-(-workers // LINE) + 1)
     rows = steps + 2 + -(-2 * workers * MASK_WORDS // stride)
     size = rows * stride
@@ -75,6 +79,7 @@ def new_counters(steps, workers):
         counters.fill(0)
     me = threading.get_ident()   # (pthread_self's value on POSIX), as an int64's bits
     counters[steps + 1, 0] = me - (1 << 64) if me >= 1 << 63 else me
+    counters[steps + 1, 1] = not SLEEPING_WORKERS   # whether the launcher runs a share
     return counters
 
 
@@ -144,8 +149,7 @@ def _spin_pause(typingctx):
 
 @intrinsic
 def _yield_core(typingctx):
-    """sched_yield(): the core to another thread that waits for it, if any (POSIX; a no-op
-    elsewhere)."""
+    """sched_yield(): the core to a thread waiting for it (POSIX; elsewhere nothing)."""
 
     def codegen(context, builder, signature, args):
         if platform.system() != "Windows":
@@ -188,8 +192,7 @@ def _self_id(typingctx):
 
 
 def _affinity_intrinsic(name):
-    """f(address) -> int64: glibc's `name` (sched_get/setaffinity) for this thread and
-    the MASK_WORDS-word cpu set at address; 0 on success, else (and off Linux) -1."""
+    """f(address of a cpu set) -> glibc's `name` for this thread: 0, or -1 (off Linux)."""
 
     @intrinsic
     def affinity(typingctx, address):
@@ -257,6 +260,8 @@ def spread(counters, worker, workers):
         return 0, False
     stride = counters.shape[1]
     row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))   # T
+    if _self_id() == counters[row + 1, 0]:   # (its CPU held since hold_launcher, if it works)
+        return 0, False
     held = counters.ctypes.data + row * stride * 8
     bit = np.int64(1) << np.int64(cpu % 64)
     if _fetch_or(held + (cpu // 64) * 8, bit) & bit == 0:
@@ -264,7 +269,7 @@ def spread(counters, worker, workers):
     masks = counters.ctypes.data + (row + 2) * stride * 8 + 2 * worker * MASK_WORDS * 8
     kept = (row + 2) * stride + 2 * worker * MASK_WORDS   # flat word indices of its sets
     flat = counters.reshape(-1)
-    if _self_id() == counters[row + 1, 0] or _get_affinity(masks) != 0:
+    if _get_affinity(masks) != 0:
         return 0, False
     free = 0
     for i in range(MASK_WORDS):   # its own affinity less every CPU held
@@ -273,12 +278,26 @@ def spread(counters, worker, workers):
     if free == 0 or _set_affinity(masks + MASK_WORDS * 8) != 0:
         return 0, False
     cpu = _current_cpu()
-    if cpu < 0 or cpu >= MASK_WORDS * 64:
-        return 0, True
     bit = np.int64(1) << np.int64(cpu % 64)
-    if _fetch_or(held + (cpu // 64) * 8, bit) & bit != 0:
-        return 0, True   # (another worker took it meanwhile: leave its claim alone)
-    return cpu + 1, True
+    if 0 <= cpu < MASK_WORDS * 64 and _fetch_or(held + (cpu // 64) * 8, bit) & bit == 0:
+        return cpu + 1, True
+    _set_affinity(masks)   # taken meanwhile: pinned beside another worker is worse
+    return 0, False
+
+
+@nb.njit(inline="always")
+def hold_launcher(counters, workers):
+    """Where the launcher runs a share (row T+1), its CPU taken before the region: spread
+    never moves the caller's thread. Returns what settle gives back."""
+    stride = counters.shape[1]
+    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))
+    cpu = _current_cpu()
+    if workers < 2 or counters[row + 1, 1] == 0 or cpu < 0 or cpu >= MASK_WORDS * 64:
+        return 0, False
+    bit = np.int64(1) << np.int64(cpu % 64)
+    if _fetch_or(counters.ctypes.data + (row * stride + cpu // 64) * 8, bit) & bit != 0:
+        return 0, False
+    return cpu + 1, False
 
 
 @nb.njit(inline="always")

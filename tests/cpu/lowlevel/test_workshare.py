@@ -17,8 +17,8 @@
 (d) spread and settle, driven on this thread: a worker whose CPU another holds moves to
     a CPU no one holds, with this thread's affinity narrowed by the held set, and settle
     gives the CPU and the affinity back; a worker on a CPU of its own, a lone worker, a
-    thread allowed only held CPUs and the launching thread stay. Off Linux spread never
-    looks. The other workers' CPUs are set in the held set by hand, so the test does not
+    thread allowed only held CPUs and the launching thread stay; a launcher that runs a
+    share takes its CPU before the region (hold_launcher). Off Linux neither looks. The other workers' CPUs are set in the held set by hand, so the test does not
     depend on where the scheduler puts this thread.
 """
 import os
@@ -32,7 +32,16 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.lowlevel.workshare import LINE, MASK_WORDS, claim, new_counters, settle, spread
+from fusedrnn.cpu.lowlevel.workshare import (
+    LINE,
+    MASK_WORDS,
+    claim,
+    hold_launcher,
+    new_counters,
+    settle,
+    spread,
+)
+from fusedrnn.cpu.threads import SLEEPING_WORKERS
 
 
 @nb.njit
@@ -164,7 +173,8 @@ def test_new_counters_layout(steps, workers):
     assert counters.dtype == np.int64
     assert counters.shape[0] == steps + 2 + -(-2 * workers * MASK_WORDS // stride)
     assert counters[steps + 1, 0] == _as_int64(threading.get_ident())
-    counters[steps + 1, 0] = 0
+    assert counters[steps + 1, 1] == (not SLEEPING_WORKERS)   # the launcher works too
+    counters[steps + 1, :2] = 0
     assert not counters.any()
     assert stride % LINE == 0 and stride - LINE >= workers   # claims, then the done line
     assert stride >= MASK_WORDS   # row T: a cpu set
@@ -178,6 +188,11 @@ def _as_int64(ident):
 @nb.njit
 def _spread(counters, worker, workers):
     return spread(counters, worker, workers)
+
+
+@nb.njit
+def _hold_launcher(counters, workers):
+    return hold_launcher(counters, workers)
 
 
 @nb.njit
@@ -248,13 +263,32 @@ def test_workers_that_stay(own_affinity):
     assert not moved and cpu - 1 in own_affinity and _cpus(counters[steps]) == {cpu - 1}
     _settle(counters, 1, 2, (cpu, moved))
     assert not counters[steps].any()
-    # the launching thread stays wherever it is
+    # the launching thread stays wherever it is, though a CPU is free
     counters = new_counters(steps, 2)
-    _hold(counters, steps, own_affinity)
+    _hold(counters, steps, own_affinity - {max(own_affinity)})
     assert _spread(counters, 1, 2) == (0, False)
+    assert os.sched_getaffinity(0) == own_affinity
     # a thread allowed only held CPUs has nowhere to go
     counters = new_counters(steps, 2)
     _not_launcher(counters, steps)
     _hold(counters, steps, own_affinity)
     assert _spread(counters, 1, 2) == (0, False)
     assert os.sched_getaffinity(0) == own_affinity
+
+
+def test_a_launcher_that_works_takes_its_cpu_first():
+    steps = 2
+    counters = new_counters(steps, 2)
+    counters[steps + 1, 1] = 0   # one that waits (workqueue's) takes nothing
+    assert _hold_launcher(counters, 2) == (0, False) and not counters[steps].any()
+    assert _hold_launcher(new_counters(steps, 1), 1) == (0, False)   # no region to share
+    counters[steps + 1, 1] = 1
+    held = _hold_launcher(counters, 2)
+    if not _LINUX:
+        assert held == (0, False)
+        return
+    cpu, moved = held
+    assert not moved and _cpus(counters[steps]) == {cpu - 1}
+    assert _hold_launcher(counters, 2) == (0, False)   # held already: not taken twice
+    _settle(counters, 0, 2, held)
+    assert not counters[steps].any()
