@@ -46,11 +46,11 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 # (narrower ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
+OWN_GRADIENT_WORK = 1 << 29
 # Inside BLAS_IN_PARTS a GEMM of at least this many multiply-adds runs in parts on helper
 # threads (threads.gemm_in_parts), in parts of half that or more; smaller ones gained nothing.
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
-OWN_GRADIENT_WORK = 1 << 29
 
 
 def _own_product(a, b, out):
