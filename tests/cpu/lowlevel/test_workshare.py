@@ -236,6 +236,8 @@ def test_a_worker_whose_cpu_is_held_moves_to_a_free_one(own_affinity):
     counters = new_counters(steps, workers)
     _not_launcher(counters, steps)
     _hold(counters, steps, own_affinity - {free})   # the others hold all CPUs but one
+    os.sched_setaffinity(0, {min(own_affinity)})   # start on a held CPU: widening the
+    os.sched_setaffinity(0, own_affinity)          # affinity leaves the thread where it is
     held = _spread(counters, 1, workers)
     stayed = held == (free + 1, False)   # it ran on the free CPU already
     assert stayed or held == (free + 1, True), held
