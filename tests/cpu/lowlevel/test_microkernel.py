@@ -284,22 +284,27 @@ _TILE_NAME = re.compile(r"fusedrnn_(tile|dot\d+x)")   # the panel tiles, row_dot
 
 
 def _tile_loops(asm):
-    """Each labelled block of a tile's function (fusedrnn_tile*, fusedrnn_dot<h>x*) up to
-    its first jump (the loop's back edge; what follows it runs once, after the loop), kept
-    where it holds at least 8 FMAs (or vdpbf16ps). (The kernel's own blocks are not tiles:
-    its cell math has FMAs too.)"""
-    blocks, current, in_tile = [], None, False
+    """Each labelled block of a tile's function (fusedrnn_tile*, fusedrnn_dot<h>x*) that
+    ends in a jump back to its own or an earlier label of the function (the loop's back
+    edge), kept where it holds at least 8 FMAs (or vdpbf16ps). A block that runs once (the
+    k remainder after an unrolled loop, which falls through or jumps forward) is not a
+    loop: an address it reloads costs once a tile, not once a k. (The kernel's own blocks
+    are not tiles: its cell math has FMAs too.)"""
+    blocks, current, in_tile, seen = [], None, False, set()
     for line in asm.splitlines():
         label = re.match(r"^([.\w$]+):", line)
         if label:
             if not label.group(1).startswith(".L"):   # a function's own label
                 in_tile = bool(_TILE_NAME.match(label.group(1)))
+                seen = set()
+            seen.add(label.group(1))
             current = [] if in_tile else None
-            if in_tile:
-                blocks.append(current)
         elif current is not None:
             current.append(line)
-            if re.match(r"^\s*j\w+\s", line):
+            jump = re.match(r"^\s*j\w+\s+([.\w$]+)", line)
+            if jump:
+                if jump.group(1) in seen:   # a back edge: this block is a loop
+                    blocks.append(current)
                 current = None
     return ["\n".join(b) for b in blocks if len(_FMA.findall("\n".join(b))) >= 8]
 
@@ -365,6 +370,9 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
         assert dots, f"{kernel}: no dot tile k-loop found in the asm"
     loops = _tile_loops(asm)
     assert loops, f"{kernel}: no tile k-loop found in the asm"
+    tiles = [f for f in re.split(r"(?m)^(?=fusedrnn_)", asm) if _TILE_NAME.match(f)]
+    missed = [f.split(":")[0] for f in tiles if not _tile_loops(f)]
+    assert not missed, f"{kernel}: no k-loop found in {missed}"
     if "bf16" in kernel:   # every vdpbf16ps in a tile's function (none inlined)
         in_tiles = sum(f.count("vdpbf16ps") for f in _tile_blocks(asm))
         assert in_tiles and asm.count("vdpbf16ps") == in_tiles, f"{kernel}: a product inlined"
