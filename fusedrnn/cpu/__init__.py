@@ -15,6 +15,7 @@ from . import warm  # noqa: E402
 from .cells import cell_kernels  # noqa: E402
 from .firsttier import FirstTierBackend  # noqa: E402
 from .fused import fused_layer, own_gemm  # noqa: E402
+from .heap import raise_mmap_threshold  # noqa: E402
 from .lowlevel import (  # noqa: E402
     CHUNK,
     HAS_BF16,
@@ -47,8 +48,7 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
-# Inside BLAS_IN_PARTS a GEMM of at least this many multiply-adds runs in parts on helper
-# threads (threads.gemm_in_parts), in parts of half that or more; smaller ones gained nothing.
+# A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
 
@@ -93,6 +93,8 @@ class CpuBackend:
         ready, else the first tier while they compile (warm.py)."""
         host = TORCH_CALLER.get()   # (a torch program that asked for deterministic results
         deterministic = host is not None and host.deterministic()   # gets them from call 1)
+        if host is not None:   # (once a process: heap.py)
+            raise_mmap_threshold()
         return self if warm.READY.fused(config, seq_len, dtype, deterministic) else FIRST_TIER
 
     @staticmethod

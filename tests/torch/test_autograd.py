@@ -228,6 +228,21 @@ def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
     assert TORCH_CALLER.get() is None
 
 
+def test_a_torch_programs_cpu_call_raises_glibcs_mmap_threshold_once():
+    """fusedrnn/cpu/heap.py: the first CPU call from torch raises it, later ones find it
+    done (tests/cpu/test_heap.py checks what it does to glibc)."""
+    import ctypes
+
+    from fusedrnn.cpu import heap
+    rnn, x = ft.LSTM(3, 4), torch.randn(2, 1, 3)
+    heap.raise_mmap_threshold.cache_clear()
+    rnn(x)
+    rnn(x)[0].sum().backward()
+    info = heap.raise_mmap_threshold.cache_info()
+    assert info.misses == 1 and info.hits >= 1
+    assert heap.raise_mmap_threshold() is hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+
+
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_torch_gemm_computes_into_numpy_views(dtype, transpose_a):

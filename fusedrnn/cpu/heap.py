@@ -1,0 +1,28 @@
+"""glibc's mmap threshold rises only when a mapped block is freed, and the op frees none:
+beside it a torch program's tensors of a few MiB were mapped and faulted in at every step.
+Measured: bench/results/cpu-kernel-notes.md#torch-programs-the-neighbours-page-faults"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+__all__ = ["BLOCK", "raise_mmap_threshold"]
+
+BLOCK = 16 << 20   # below glibc's ceiling for the dynamic threshold (32 MiB on 64 bits)
+
+
+@functools.cache
+def raise_mmap_threshold():
+    """Once a process: malloc and free one BLOCK, as torch.nn's first step would (glibc)."""
+    try:
+        libc = ctypes.CDLL(None)   # the process's own C library
+        libc.gnu_get_libc_version   # noqa: B018  (AttributeError: not glibc)
+    except (OSError, AttributeError):
+        return False
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    block = libc.malloc(BLOCK)
+    if not block:
+        return False
+    libc.free(block)
+    return True
