@@ -17,7 +17,7 @@ def raise_mmap_threshold():
     try:
         libc = ctypes.CDLL(None)   # the process's own C library
         libc.gnu_get_libc_version   # noqa: B018  (AttributeError: not glibc)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return False
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
