@@ -131,8 +131,8 @@ def l2_bytes():
     for index in sorted(os.listdir(base)):
         try:
             with open(f"{base}/{index}/level") as level, open(f"{base}/{index}/size") as size:
-                if level.read().strip() == "2":
-                    text = size.read().strip()
+                text = size.read().strip()
+                if level.read().strip() == "2" and text:
                     scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
                     return int(text.rstrip("KM")) * scale
         except OSError:

@@ -1,5 +1,6 @@
 """fusedrnn/benchmark/machine.py: the machine constants, measured and written."""
 import json
+import os
 import platform
 
 from fusedrnn.benchmark import machine
@@ -15,7 +16,7 @@ def test_writes_every_constant(tmp_path, capsys):
         assert 0 < timing["p10"] <= timing["median"]
     assert got["core_gflops"]["microkernel"] > 0 and got["core_gflops"]["numpy"] > 0
     assert got["serial_bound"]["workqueue"] > 0
-    if platform.system() == "Linux":
+    if platform.system() == "Linux" and os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
         assert got["l2_bytes"] >= 1 << 16
     printed = capsys.readouterr().out
     assert "launch workqueue: back to back" in printed and "micro-kernel" in printed

@@ -1,5 +1,6 @@
 """fusedrnn/cpu/heap.py: glibc's mmap threshold, raised once at a torch program's call."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,11 +10,13 @@ import pytest
 import fusedrnn
 from fusedrnn.cpu import heap
 
-# In a fresh process (this one's threshold depends on what ran before): whether glibc maps
-# a 4 MiB block on its own, before and after raise_mmap_threshold. A probe block is never
-# freed: freeing a mapped one raises the threshold itself.
+# In a fresh process (this one's threshold depends on what ran before) with glibc's
+# defaults (no MALLOC_* or tunables, which fix the threshold): whether glibc maps a 12 MiB
+# block on its own, before and after raise_mmap_threshold. A probe block is never freed:
+# freeing a mapped one raises the threshold itself.
 _PROBE = """
 import ctypes, json
+from fusedrnn.cpu import heap   # (first: an import that freed a mapped block would pass it)
 libc = ctypes.CDLL(None)
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
@@ -22,10 +25,9 @@ libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 def mapped():
     before = libc.mallinfo2().hblks
-    assert libc.malloc(4 << 20)
+    assert libc.malloc(12 << 20)
     return libc.mallinfo2().hblks > before
 first = mapped()
-from fusedrnn.cpu import heap
 ran = heap.raise_mmap_threshold()
 print(json.dumps([first, ran, mapped()]))
 """
@@ -41,10 +43,12 @@ def _glibc():
 
 @pytest.mark.skipif(not _glibc(), reason="glibc's allocator (mallinfo2, glibc >= 2.33) only")
 def test_blocks_of_a_few_mib_come_from_the_heap_after_it():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     run = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     mapped_before, ran, mapped_after = json.loads(run.stdout.strip().splitlines()[-1])
-    assert mapped_before, "a fresh process should map a 4 MiB block (glibc's default)"
+    assert mapped_before, "a fresh process should map a 12 MiB block (glibc's default)"
     assert ran and not mapped_after
 
 

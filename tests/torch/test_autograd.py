@@ -240,7 +240,11 @@ def test_a_torch_programs_cpu_call_raises_glibcs_mmap_threshold_once():
     rnn(x)[0].sum().backward()
     info = heap.raise_mmap_threshold.cache_info()
     assert info.misses == 1 and info.hits >= 1
-    assert heap.raise_mmap_threshold() is hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+    try:
+        glibc = hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+    except (OSError, TypeError):
+        glibc = False
+    assert heap.raise_mmap_threshold() is glibc
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
