@@ -32,7 +32,7 @@ import numpy as np
 LAYERS = ("workqueue", "omp")
 IDLE_S = 1e-3
 BLOCK_S = 0.02
-N, K, ROWS = 128, 512, 512   # a single step of 128 samples, W (ROWS, K)
+N, K, ROWS = 128, 512, 512   # one step of N samples by W (ROWS, K)
 
 _LAUNCH_PROBE = """
 import json, sys, time
@@ -101,7 +101,7 @@ def core_gflops(repeats):
     @nb.njit
     def product(w, cols, c):
         K = w.shape[1]
-        for b in range(w.shape[0] // PANEL):   # 16 weight rows at a time, in place
+        for b in range(w.shape[0] // PANEL):   # PANEL weight rows at a time, in place
             panel_gemm_t(w.ctypes.data + np.uint64(b * PANEL * K * 4), K, PANEL,
                          cols.ctypes.data, K * PANEL, cols.shape[0],
                          c.ctypes.data + np.uint64(b * PANEL * 4), c.shape[1], K,

@@ -6,22 +6,29 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["BLOCK", "raise_mmap_threshold"]
+__all__ = ["BLOCK", "glibc", "raise_mmap_threshold"]
 
-BLOCK = 16 << 20   # below glibc's ceiling for the dynamic threshold (32 MiB on 64 bits)
+BLOCK = 16 << 20   # under glibc's DEFAULT_MMAP_THRESHOLD_MAX, the most its dynamic threshold takes
+
+
+@functools.cache
+def glibc():
+    """The process's C library where it is glibc, else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version   # noqa: B018  (AttributeError: not glibc)
+    except (OSError, AttributeError, TypeError):
+        return None
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    return libc
 
 
 @functools.cache
 def raise_mmap_threshold():
     """Once a process: malloc and free one BLOCK, as torch.nn's first step would (glibc)."""
-    try:
-        libc = ctypes.CDLL(None)   # the process's own C library
-        libc.gnu_get_libc_version   # noqa: B018  (AttributeError: not glibc)
-    except (OSError, AttributeError, TypeError):
-        return False
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-    block = libc.malloc(BLOCK)
+    libc = glibc()
+    block = libc.malloc(BLOCK) if libc is not None else None
     if not block:
         return False
     libc.free(block)

@@ -34,11 +34,7 @@ print(json.dumps([first, ran, mapped()]))
 
 
 def _glibc():
-    import ctypes
-    try:
-        return hasattr(ctypes.CDLL(None), "mallinfo2")
-    except (OSError, TypeError):
-        return False
+    return heap.glibc() is not None and hasattr(heap.glibc(), "mallinfo2")
 
 
 @pytest.mark.skipif(not _glibc(), reason="glibc's allocator (mallinfo2, glibc >= 2.33) only")
