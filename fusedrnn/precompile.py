@@ -22,7 +22,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .config import CELLS, MODES, PRECISIONS
-from .cpu import _own_product, warm
+from .cpu import _own_product, fused, warm
 from .cpu.fused import FUSED_INPUT_ROWS, own_gemm
 from .cpu.warm import fcntl
 from .layout import param_size
@@ -51,8 +51,11 @@ def replay(kernels: warm.KernelSet):
     training, lengths and clipping, read-only inputs, a few batch sizes, each build, its
     own layers and two bidirectional ones, whose buffer views other stacks share)."""
     _set_bounds(None)   # (what the modules shipped with, recorded before any change)
+    team = fused.TEAM
     try:
-        for bound in (-1, 1 << 62):   # every parallel build, then every serial one
+        # every parallel build (Numba's layer, then a team's shares where this process has
+        # one: a torch program launches the former), then every serial one
+        for bound, fused.TEAM in dict.fromkeys([(-1, None), (-1, team), (1 << 62, team)]):
             _set_bounds(bound)
             for layers, bidirectional in {(kernels.num_layers, kernels.bidirectional),
                                           (2, True)}:
@@ -63,6 +66,7 @@ def replay(kernels: warm.KernelSet):
                 _own_product(a, b, np.empty((8, 8), compute))
     finally:
         _set_bounds(None)
+        fused.TEAM = team
 
 
 def _replay_calls(kernels, num_layers, bidirectional):

@@ -6,7 +6,7 @@ One parallel region per call, its workers sharing each step's blocks of 16 hidde
 on it. For every cell without a projection; at T=1, FusedLayer.forward_single.
 
 layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, clip,
-              single, half, (counters, workers))
+              single, half, (counters, workers, me))
     xproj   (T, N, D*G*H)   in   W_x x_t of both directions, no bias (empty with x16)
     d       int                  direction: 0 runs t = 0..T-1, 1 runs t = T-1..0
     wpack   (B, G, H, 16)   in   W_h of this layer and direction, pack_recurrent's layout
@@ -31,8 +31,10 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
       wxpairs (B, G, kx, 16) uint32  in  this direction's W_x, pack_recurrent_pairs's layout
       bias_rows (2, B, G, 16)  in  bx, bh by block (bias_rows_of): the products start
                                  from them (bx with x16 only, else added as a row)
-    counters (T + 2 + sets, stride) int64  workshare.new_counters's
+    counters (T + 2 + sets, stride) int64  workshare.new_counters's (T=1: a row more, first,
+                                 for the columns' packing)
     workers  int                 parallel workers, 1..B (FusedLayer: Numba's thread count)
+    me       int                 the share a serial build runs (0 but on a team's helpers)
     All C-contiguous, of one dtype (but lengths, counters, bf16 bits); no two overlap.
 """
 from __future__ import annotations
@@ -78,8 +80,11 @@ from .lowlevel import (
     row_zero,
     settle,
     spread,
+    team_arrive,
+    team_leave,
     zero_like,
 )
+from .team import TEAM
 from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, pick, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
@@ -174,9 +179,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         clip_lo, clip_hi, clip_flags = clip
         x, w_x, w_h, x_cols, h_cols, w_rows = single
         h16, wpairs, x16, wxpairs, bias_rows = half
-        counters, workers = share
-        if not parallel:   # (also keeps the two builds apart in Numba's cache index)
-            workers = 1
+        counters, workers, me = share
         T, N, H = hs.shape[1] - 1, hs.shape[2], hs.shape[3]
         x_col, y_col = d * gates * H, d * H
         has_c, record = cs.shape[3] != 0, saved.shape[0] != 0
@@ -196,15 +199,28 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
         # T=1 without columns (forward_single's choice): dots of each weight row with the
         # samples' rows as they are; else x and h_0 as columns, 16 samples per panel
         by_rows = single_step and x_cols.shape[0] == 0
-        if single_step:   # (serial: small)
-            for p in range(x_cols.shape[0]):
-                pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
-                pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
-                            h_cols[p])
-        launcher = hold_launcher(counters, workers)   # (workshare.py: where it works too)
-        for worker in prange(workers):   # each walks every step (workshare.py)
+        # T=1: the columns packed by panel, claimed in counters row 0 (the step's is 1)
+        rows0 = 1 if single_step else 0
+        if me == 0:
+            team_arrive(counters, workers)
+        launcher = hold_launcher(counters, workers, me)   # (workshare.py: where it works too)
+        # A serial build runs one share, `me` (a team's; workshare.py), of `workers`
+        span = workers if parallel else 1
+        for i in prange(span):   # each walks every step (workshare.py)
+            worker = i if parallel else me
             held = spread(counters, worker, workers)   # off a CPU another worker holds
             wb = w_rows[worker % w_rows.shape[0]]   # its widened bf16 weight rows, or empty
+            if single_step:
+                done = 0
+                while True:
+                    p = claim(counters, 0, worker, workers, x_cols.shape[0])
+                    if p < 0:
+                        break
+                    done += 1
+                    pack_panel(x, p * PANEL, min(PANEL, N - p * PANEL), x_cols[p])
+                    pack_panel(hs[d, 0 if d == 0 else 1], p * PANEL, min(PANEL, N - p * PANEL),
+                               h_cols[p])
+                finish(counters, 0, done, x_cols.shape[0])
             for step in range(T):
                 t = step if d == 0 else T - 1 - step
                 prev = t if d == 0 else t + 1
@@ -212,7 +228,7 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                 h_prev_addr = h_rows + prev * N * H * itemsize
                 done = 0
                 while True:
-                    q = claim(counters, step, worker, workers, claims)
+                    q = claim(counters, rows0 + step, worker, workers, claims)
                     if q < 0:
                         break
                     done += 1
@@ -330,9 +346,11 @@ def _make_layer_forward(mode, gates, saved_width, dtype, single_step, parallel=T
                                 for k in range(saved_width):
                                     row_copy(rec + k * H * itemsize,
                                              trow + (_S + k) * PANEL * itemsize, width, like)
-                finish(counters, step, done, claims)
+                finish(counters, rows0 + step, done, claims)
             settle(counters, worker, workers, held)
         settle(counters, 0, workers, launcher)
+        if me == 0:
+            team_leave(counters, workers)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_forward)
 
@@ -366,9 +384,7 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         dh_rec0, dh_carry, dc_carry = carries
         clip_lo, clip_hi, clip_flags = clip
         dg16, wpairs_rows = half
-        counters, workers = share
-        if not parallel:
-            workers = 1
+        counters, workers, me = share
         T, N, H = dy.shape[0], dy.shape[1], hs.shape[3]
         GH = gates * H
         col, y_col = d * GH, d * H
@@ -385,8 +401,12 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
         # pairs where they leave every worker a claim (many cores, few blocks: singles)
         pair = 2 if N >= PAIR_ROWS and blocks >= 2 * workers else 1
         claims = -(-blocks // pair)
-        launcher = hold_launcher(counters, workers)   # (workshare.py: where it works too)
-        for worker in prange(workers):   # each walks every step (workshare.py)
+        if me == 0:
+            team_arrive(counters, workers)
+        launcher = hold_launcher(counters, workers, me)   # (workshare.py: where it works too)
+        span = workers if parallel else 1   # (one share in a serial build: layer_forward)
+        for i in prange(span):   # each walks every step (workshare.py)
+            worker = i if parallel else me
             held = spread(counters, worker, workers)   # off a CPU another worker holds
             for step in range(T):
                 t = T - 1 - step if d == 0 else step           # forward order reversed
@@ -504,23 +524,38 @@ def _make_layer_backward(mode, gates, saved_width, dtype, parallel=True, bf16=Fa
                 finish(counters, step, done, claims)
             settle(counters, worker, workers, held)
         settle(counters, 0, workers, launcher)
+        if me == 0:
+            team_leave(counters, workers)
 
     return nb.njit(parallel=parallel, **KERNEL_OPTIONS)(layer_backward)
 
 
-def _workshare(steps, blocks, serial=False):
-    """(counters, workers) for one launch (workshare.py): the calling thread's Numba
-    thread count, at most one per block; one for a serial build or process."""
-    workers = 1 if serial or serial_only() else max(1, min(nb.get_num_threads(), blocks))
-    return new_counters(steps, workers), workers
+def _workers(blocks, serial=False):
+    """Workers for one launch (workshare.py): the calling thread's Numba thread count, at
+    most one per block; one for a serial build or process."""
+    return 1 if serial or serial_only() else max(1, min(nb.get_num_threads(), blocks))
+
+
+def _launch(builds, serial, steps, blocks, args):
+    """builds (parallel, serial) of a kernel, launched on `args` + (counters, workers, me):
+    several workers on a team where there is one (team.py), else on Numba's layer."""
+    workers = _workers(blocks, serial)
+    if workers > 1 and TEAM is not None:
+        TEAM.launch(builds[1], args, steps, workers)
+        return
+    with LAUNCH_LOCK:
+        pick(*builds, serial)(*args, (new_counters(steps, workers), workers, 0))
 
 
 # Small calls run serial builds (no launch): up to SERIAL_WORK multiply-adds at T=1
 # (N*G*H*(H+K)), SERIAL_LOOP_WORK in a loop (T*N*G*H*H, + T*N*G*H*K fused; bf16 counts
 # half), SERIAL_POINTWISE gate values (N*G*H) in the T=1 backward; higher where a launch
-# wakes workqueue's workers. No loop whose weights pass one core's L2 (SERIAL_LOOP_BYTES).
+# wakes workqueue's workers (a team's T=1 launch does not; its loops keep workqueue's
+# bound). No loop whose weights pass one core's L2 (SERIAL_LOOP_BYTES).
 # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-bounds-for-each-layer
-SERIAL_WORK = 1 << 25 if SLEEPING_WORKERS else 1 << 19
+# Measured: bench/results/cpu-kernel-notes.md#threads-a-team-of-our-own
+_WAKES = SLEEPING_WORKERS and TEAM is None
+SERIAL_WORK = 1 << 25 if _WAKES else 1 << 20 if TEAM is not None else 1 << 19
 SERIAL_LOOP_WORK = 1 << 24 if SLEEPING_WORKERS else 1 << 20
 SERIAL_LOOP_BYTES = 1 << 20
 # One-panel blocks go in pairs (one 8 x 2 product) from this many samples (a 1 x 2 tile
@@ -537,7 +572,7 @@ FUSED_INPUT_ROWS = 8
 # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-the-single-step-by-rows
 DOT_SAMPLES = 8
 # (the T=1 backward's bound: SERIAL_WORK's note)
-SERIAL_POINTWISE = 1 << 18 if SLEEPING_WORKERS else 1 << 14
+SERIAL_POINTWISE = 1 << 18 if _WAKES else 1 << 16 if TEAM is not None else 1 << 14
 
 
 def bias_rows_of(bx, bh, out):
@@ -666,7 +701,7 @@ class FusedLayer:
             project_widened(np.ascontiguousarray(x2d).view(np.uint16), half == "bfloat16",
                             wpack, out, scratch.spill, scratch.x_block)
             return
-        project(np.ascontiguousarray(x2d), wpack, out, scratch.spill)
+        project(np.ascontiguousarray(x2d), wpack, out, scratch.spill, TEAM)
 
     def _serial_loop(self, rows, weights):
         """Whether a T > 1 loop of `rows` by `weights` elements of W runs its serial build
@@ -731,12 +766,10 @@ class FusedLayer:
         width = H + (w_x.shape[1] if fuses else 0)
         serial = self._serial_loop(T * N, self.gates * H * width)
         scalar = self.dtype.type
-        share = _workshare(T, tiles.shape[0], serial)
-        with LAUNCH_LOCK:
-            pick(self._forward, self._forward_serial, serial)(
-                xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths,
-                (scalar(clip_lo), scalar(clip_hi), clip_flags), self._no_single,
-                (h16, wpairs, x16, wxpairs, bias_rows), share)
+        _launch((self._forward, self._forward_serial), serial, T, tiles.shape[0], (
+            xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths,
+            (scalar(clip_lo), scalar(clip_hi), clip_flags), self._no_single,
+            (h16, wpairs, x16, wxpairs, bias_rows)))
 
     def _weight(self, w):
         """A weight for forward_single, contiguous: the layer's dtype, or with reads_weights
@@ -769,21 +802,20 @@ class FusedLayer:
         by_rows = N <= DOT_SAMPLES and x2d.dtype == self.dtype
         h_cols = scratch.h_cols[:0] if by_rows else scratch.h_cols
         serial = N * GH * (H + K) <= SERIAL_WORK
-        kernel = pick(self._forward_single, self._forward_single_serial, serial)
         w_x, w_h = self._weight(w_x), self._weight(w_h)
-        share = _workshare(1, tiles.shape[0], serial)
         w_rows = self._no_rows
         if w_x.dtype == np.uint16:
-            w_rows = scratch.w_rows.view(np.uint32)
-            if w_rows.shape[0] < share[1] or w_rows.shape[1] < PANEL * max(K, H):
+            w_rows, workers = scratch.w_rows.view(np.uint32), _workers(tiles.shape[0], serial)
+            if w_rows.shape[0] < workers or w_rows.shape[1] < PANEL * max(K, H):
                 raise ValueError(f"FusedLayer.forward_single: w_rows {w_rows.shape} cannot "
-                                 f"hold {PANEL} rows of {max(K, H)} for {share[1]} workers")
-        with LAUNCH_LOCK:
-            kernel(self._no_xproj, d, self._no_wpack, (bx, bh), (hs, cs), y, saved, tiles,
-                   lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
-                   (np.ascontiguousarray(x2d), w_x, w_h,
-                    scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL), h_cols,
-                    w_rows), self._no_half, share)
+                                 f"hold {PANEL} rows of {max(K, H)} for {workers} workers")
+        # (two rows of counters: the packing's and the step's)
+        _launch((self._forward_single, self._forward_single_serial), serial, 2, tiles.shape[0],
+                (self._no_xproj, d, self._no_wpack, (bx, bh), (hs, cs), y, saved, tiles,
+                 lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
+                 (np.ascontiguousarray(x2d), w_x, w_h,
+                  scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL), h_cols,
+                  w_rows), self._no_half))
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):
@@ -808,7 +840,6 @@ class FusedLayer:
             serial = N * GH <= SERIAL_POINTWISE
         else:
             serial = self._serial_loop((T - 1) * N, GH * w_h.shape[1])
-        kernel = pick(self._backward, self._backward_serial, serial)
         wpack_rows, dg16, wpairs_rows = scratch.wpack_rows, self._no_dg16, self._no_pairs3
         if self.bf16:
             wpairs_rows = scratch.wpairs_rows.view(np.uint32)
@@ -822,11 +853,10 @@ class FusedLayer:
                 wpack_rows = pack_recurrent_rows(w_h, wpack_rows)
             blocks = wpack_rows.shape[0]
         scalar = self.dtype.type
-        share = _workshare(T, blocks, serial)
-        with LAUNCH_LOCK:
-            kernel(dy, d, wpack_rows, (hs, cs), saved, (dgx, dgh), (dh_rec0, dh_carry, dc_carry),
-                   scratch.tiles, lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
-                   (dg16, wpairs_rows), share)
+        _launch((self._backward, self._backward_serial), serial, T, blocks, (
+            dy, d, wpack_rows, (hs, cs), saved, (dgx, dgh), (dh_rec0, dh_carry, dc_carry),
+            scratch.tiles, lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
+            (dg16, wpairs_rows)))
 
 
 _layers: dict = {}

@@ -416,7 +416,9 @@ def test_an_input_of_another_dtype_takes_the_columns(monkeypatch):
 def test_small_calls_take_the_serial_builds(monkeypatch, T, N, H, serial):
     """The rule above fused.SERIAL_WORK, at bounds set here (the shipped ones depend on
     the threading layer): which build of the forward and of the backward each call of an
-    LSTM training step launches (float32, I = H)."""
+    LSTM training step launches (float32, I = H). On Numba's layer: a team launches every
+    call past the bounds on the serial build too (test_team.py)."""
+    monkeypatch.setattr(fused, "TEAM", None)
     for name, bound in (("SERIAL_WORK", 1 << 19), ("SERIAL_POINTWISE", 1 << 14),
                         ("SERIAL_LOOP_WORK", 1 << 20), ("SERIAL_LOOP_BYTES", 1 << 20)):
         monkeypatch.setattr(fused, name, bound)

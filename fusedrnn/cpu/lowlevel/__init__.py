@@ -46,9 +46,22 @@ from .gemm import CHUNK, project
 from .mathfn import fast_exp, one_like, select, sigmoid, tanh, zero_like
 from .packing import pack_input_weights, pack_panel, pack_recurrent, pack_recurrent_rows, panels
 from .rows import row_add, row_add3, row_copy, row_round, row_zero
-from .workshare import claim, finish, hold_launcher, new_counters, settle, spread
+from .workshare import (
+    IDLE,
+    LINE,
+    POSTED,
+    claim,
+    finish,
+    hold_launcher,
+    new_counters,
+    settle,
+    spread,
+    team_arrive,
+    team_leave,
+    team_wait,
+)
 
-__all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
+__all__ = ["CHUNK", "HAS_BF16", "IDLE", "LINE", "PANEL", "POSTED", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
            "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "narrow",
            "narrow_f16", "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
            "pack_k_pairs", "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
@@ -56,4 +69,5 @@ __all__ = ["CHUNK", "HAS_BF16", "PANEL", "VECTOR_BITS", "bf16_bits", "claim", "f
            "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
            "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_dots",
            "row_round", "row_zero", "select", "settle", "sigmoid", "spread", "tanh",
-           "tile_settings", "widen", "widen_f16", "zero_like"]
+           "team_arrive", "team_leave", "team_wait", "tile_settings", "widen", "widen_f16",
+           "zero_like"]

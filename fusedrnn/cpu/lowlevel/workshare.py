@@ -17,12 +17,19 @@ the scheduler often wakes a region's workers onto one CPU. So a worker that find
 taken leaves it for the region (spread, settle), and a long wait yields (finish, POSIX).
 Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 
+A team (threads.Team) runs one region as serial builds on several threads: the caller
+runs share 0 and posts the others to helpers that spin a while after each call, so a
+launch wakes no sleeping thread. Helpers join once the caller is inside (it released the
+GIL) and may join late: the caller takes whatever blocks are left.
+Measured: bench/results/cpu-kernel-notes.md#threads-a-team-of-our-own
+
 counters (T + 2, stride) int64 and then 2W cpu sets, zero but row T+1, rows on 64-byte lines
     (new_counters): row `step` < T holds each share's claim count (columns 0..W-1) and,
     alone on the last line (spinners do not slow the claims), the step's finished-block
     count (column stride-8). Row T: the CPUs the region's workers hold (a cpu set). Row
-    T+1: the launching thread's pthread id (never moved: it is the caller's), and whether
-    it runs a share itself (the OpenMP layer's does; workqueue's waits).
+    T+1: the launching thread's pthread id (never moved: it is the caller's), whether
+    it runs a share itself (the OpenMP layer's and a team's do; workqueue's waits), and
+    a team's mailbox address (0: none) and helpers posted.
     Then worker w's affinity as it was and as spread narrowed it (MASK_WORDS int64s
     each, a cpu_set_t, at words 2*w*MASK_WORDS and (2*w+1)*MASK_WORDS past row T+2).
 
@@ -35,6 +42,11 @@ hold_launcher(counters, workers), spread(counters, worker, workers) -> what sett
     looks)
 settle(counters, worker, workers, held)
     at the region's end: the CPU given back, and a moved worker's affinity
+team_arrive(counters, workers), team_leave(counters, workers)   share 0 of a team's region
+    helpers may join now; at its end, posts no helper joined withdrawn, joined ones
+    waited for (they touch the counters, reused by the next launch)
+team_wait(box, k, spins) -> whether helper k joined a posted region (else spins ran out)
+    box (W, LINE) int64: [0, 0] the caller arrived; [k, 0] helper k's IDLE/POSTED/JOINED
 """
 from __future__ import annotations
 
@@ -50,7 +62,8 @@ from numba.extending import intrinsic
 
 from ..threads import SLEEPING_WORKERS
 
-__all__ = ["claim", "finish", "hold_launcher", "new_counters", "settle", "spread"]
+__all__ = ["IDLE", "JOINED", "POSTED", "claim", "finish", "hold_launcher", "new_counters",
+           "settle", "spread", "team_arrive", "team_leave", "team_wait"]
 
 LINE = 8   # int64 counters per 64-byte cache line
 MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) as int64s; a stride holds one (new_counters)
@@ -58,14 +71,16 @@ MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) as int64s; a stride holds one (new_c
 # this alike), short of a scheduler's time slice
 # Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 SPINS_BEFORE_YIELD = 1000
+IDLE, POSTED, JOINED = 0, 1, 2   # a team helper's state (module docstring)
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _LINUX = platform.system() == "Linux"   # sched_getcpu and thread affinity
 
 
-def new_counters(steps, workers):
+def new_counters(steps, workers, box=None, helpers=0):
     """Counters for one launch (module docstring), zero but row T+1, rows on 64-byte lines;
-    small ones a view of this thread's buffer, held by the launch that follows it."""
+    small ones a view of this thread's buffer, held by the launch that follows it. With a
+    team's mailbox `box`, `helpers` of whose lines are posted."""
     stride = LINE * (-(-workers // LINE) + 1)
     rows = steps + 2 + -(-2 * workers * MASK_WORDS // stride)
     size = rows * stride
@@ -79,7 +94,9 @@ def new_counters(steps, workers):
         counters.fill(0)
     me = threading.get_ident()   # (pthread_self's value on POSIX), as an int64's bits
     counters[steps + 1, 0] = me - (1 << 64) if me >= 1 << 63 else me
-    counters[steps + 1, 1] = not SLEEPING_WORKERS   # whether the launcher runs a share
+    counters[steps + 1, 1] = box is not None or not SLEEPING_WORKERS   # launcher works
+    if box is not None:
+        counters[steps + 1, 2:4] = box.ctypes.data, helpers
     return counters
 
 
@@ -117,6 +134,23 @@ def _atomic_intrinsic(operation):
 _fetch_add = _atomic_intrinsic("add")
 _fetch_or = _atomic_intrinsic("or")
 _fetch_and = _atomic_intrinsic("and")
+
+
+@intrinsic
+def _compare_swap(typingctx, address, expected, new):
+    """*address = new if it holds expected (int64, sequentially consistent); the old value."""
+    if not all(isinstance(a, types.Integer) for a in (address, expected, new)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(context.cast(builder, args[0], signature.args[0], types.intp),
+                               ir.IntType(64).as_pointer())
+        old, new = (context.cast(builder, v, t, types.int64)
+                    for v, t in zip(args[1:], signature.args[1:], strict=True))
+        pair = builder.cmpxchg(ptr, old, new, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return types.int64(address, expected, new), codegen
 
 
 @intrinsic
@@ -252,6 +286,12 @@ def finish(counters, step, done, blocks):
 
 
 @nb.njit(inline="always")
+def _held_row(counters, workers):
+    """Row T of the counters (the CPUs held; T+1 the launcher's)."""
+    return counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // counters.shape[1]))
+
+
+@nb.njit(inline="always")
 def spread(counters, worker, workers):
     """Take this worker's CPU in row T's set; where another holds it, narrow this thread's
     affinity by the set (it moves) but for the launching thread's. (CPU taken + 1, moved)."""
@@ -259,7 +299,7 @@ def spread(counters, worker, workers):
     if workers < 2 or cpu < 0 or cpu >= MASK_WORDS * 64:
         return 0, False
     stride = counters.shape[1]
-    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))   # T
+    row = _held_row(counters, workers)   # T
     if _self_id() == counters[row + 1, 0]:   # (its CPU held since hold_launcher, if it works)
         return 0, False
     held = counters.ctypes.data + row * stride * 8
@@ -286,13 +326,14 @@ def spread(counters, worker, workers):
 
 
 @nb.njit(inline="always")
-def hold_launcher(counters, workers):
+def hold_launcher(counters, workers, me=0):
     """Where the launcher runs a share (row T+1), its CPU taken before the region: spread
-    never moves the caller's thread. Returns what settle gives back."""
+    never moves the caller's thread. Returns what settle gives back (a helper: nothing)."""
     stride = counters.shape[1]
-    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))
+    row = _held_row(counters, workers)
     cpu = _current_cpu()
-    if workers < 2 or counters[row + 1, 1] == 0 or cpu < 0 or cpu >= MASK_WORDS * 64:
+    if me != 0 or workers < 2 or counters[row + 1, 1] == 0 or cpu < 0 or \
+            cpu >= MASK_WORDS * 64:
         return 0, False
     bit = np.int64(1) << np.int64(cpu % 64)
     if _fetch_or(counters.ctypes.data + (row * stride + cpu // 64) * 8, bit) & bit != 0:
@@ -305,7 +346,7 @@ def settle(counters, worker, workers, held):
     """Give back spread's CPU and affinity (refused: every CPU, the kernel keeps its own)."""
     cpu, moved = held
     stride = counters.shape[1]
-    row = counters.shape[0] - 2 - (-(-2 * workers * MASK_WORDS // stride))
+    row = _held_row(counters, workers)
     if cpu > 0:
         bit = np.int64(1) << np.int64((cpu - 1) % 64)
         _fetch_and(counters.ctypes.data + (row * stride + (cpu - 1) // 64) * 8, ~bit)
@@ -317,3 +358,36 @@ def settle(counters, worker, workers, held):
             for i in range(MASK_WORDS):
                 flat[start + i] = -1
             _set_affinity(masks)
+
+
+@nb.njit(inline="always")
+def team_arrive(counters, workers):
+    box = counters[_held_row(counters, workers) + 1, 2]
+    if box != 0:
+        _fetch_or(box, 1)
+
+
+@nb.njit(inline="always")
+def team_leave(counters, workers):
+    row = _held_row(counters, workers) + 1
+    box = counters[row, 2]
+    if box == 0:
+        return
+    for k in range(1, counters[row, 3] + 1):
+        state = box + k * LINE * 8
+        if _compare_swap(state, POSTED, IDLE) == JOINED:
+            spins = 0
+            while _load_acquire(state) == JOINED:
+                spins = _wait(spins)
+
+
+@nb.njit(nogil=True, cache=True)
+def team_wait(box, k, spins):
+    state, arrived = box.ctypes.data + k * box.shape[1] * 8, box.ctypes.data
+    _compare_swap(state, JOINED, IDLE)   # back from a region: the caller may go on
+    for _ in range(spins):
+        if _load_acquire(state) == POSTED and _load_acquire(arrived) != 0:
+            if _compare_swap(state, POSTED, JOINED) == POSTED:
+                return True
+        _spin_pause()
+    return False

@@ -20,6 +20,9 @@
     thread allowed only held CPUs and the launching thread stay; a launcher that runs a
     share takes its CPU before the region (hold_launcher). Off Linux neither looks. The other workers' CPUs are set in the held set by hand, so the test does not
     depend on where the scheduler puts this thread.
+(e) A team's mailbox (team_wait, team_arrive, team_leave): a helper joins only a region
+    posted to it whose caller has arrived, and is idle again at its next wait; leaving
+    withdraws posts no helper took and waits for the helpers that joined.
 """
 import os
 import platform
@@ -27,19 +30,26 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numba as nb
 import numpy as np
 import pytest
 
 from fusedrnn.cpu.lowlevel.workshare import (
+    IDLE,
+    JOINED,
     LINE,
     MASK_WORDS,
+    POSTED,
     claim,
     hold_launcher,
     new_counters,
     settle,
     spread,
+    team_arrive,
+    team_leave,
+    team_wait,
 )
 from fusedrnn.cpu.threads import SLEEPING_WORKERS
 
@@ -134,7 +144,7 @@ _OVERSUBSCRIBED = textwrap.dedent("""
             return {}
         return {t: os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
 
-    original, threads = fused._workshare, numba.get_num_threads()
+    original, threads = fused._workers, numba.get_num_threads()
     # (T=1 and the small loops too on the parallel builds)
     fused.SERIAL_WORK = fused.SERIAL_POINTWISE = fused.SERIAL_LOOP_WORK = -1
     for mode, dtype in (("lstm", np.float64), ("gru", np.float32)):
@@ -142,15 +152,14 @@ _OVERSUBSCRIBED = textwrap.dedent("""
         want = run(mode, dtype)
         for numba_threads, workers in ((1, 2), (1, 5), (threads, 5)):
             numba.set_num_threads(numba_threads)
-            fused._workshare = lambda steps, blocks, serial=False: (
-                fused.new_counters(steps, workers), workers)
+            fused._workers = lambda blocks, serial=False: workers
             fusedrnn.clear_cache()
             before = affinities()
             got = run(mode, dtype)
             assert affinities() == before, (mode, numba_threads, workers)
             for a, b in zip(got, want):
                 assert np.array_equal(a, b), (mode, numba_threads, workers)
-        fused._workshare = original
+        fused._workers = original
         numba.set_num_threads(threads)
     print("ok")
 """)
@@ -175,7 +184,11 @@ def test_new_counters_layout(steps, workers):
     assert counters[steps + 1, 0] == _as_int64(threading.get_ident())
     assert counters[steps + 1, 1] == (not SLEEPING_WORKERS)   # the launcher works too
     counters[steps + 1, :2] = 0
-    assert not counters.any()
+    assert not counters.any()   # (no team's mailbox: column 2)
+    box = np.zeros((3, LINE), np.int64)
+    counters = new_counters(steps, workers, box, 2)   # a team's: the launcher works
+    assert counters[steps + 1, 1] == 1 and tuple(counters[steps + 1, 2:4]) == (
+        box.ctypes.data, 2)
     assert stride % LINE == 0 and stride - LINE >= workers   # claims, then the done line
     assert stride >= MASK_WORDS   # row T: a cpu set
     assert counters.ctypes.data % 64 == 0 and counters.strides == (stride * 8, 8)
@@ -191,8 +204,8 @@ def _spread(counters, worker, workers):
 
 
 @nb.njit
-def _hold_launcher(counters, workers):
-    return hold_launcher(counters, workers)
+def _hold_launcher(counters, workers, me=0):
+    return hold_launcher(counters, workers, me)
 
 
 @nb.njit
@@ -292,5 +305,51 @@ def test_a_launcher_that_works_takes_its_cpu_first():
     cpu, moved = held
     assert not moved and _cpus(counters[steps]) == {cpu - 1}
     assert _hold_launcher(counters, 2) == (0, False)   # held already: not taken twice
+    assert _hold_launcher(new_counters(steps, 2), 2, 1) == (0, False)   # a team's helper
     _settle(counters, 0, 2, held)
     assert not counters[steps].any()
+
+
+@nb.njit
+def _arrive(counters, workers):
+    team_arrive(counters, workers)
+
+
+@nb.njit(nogil=True)
+def _leave(counters, workers):
+    team_leave(counters, workers)
+
+
+def test_a_helper_joins_only_a_posted_region_its_caller_is_in():
+    box = np.zeros((3, LINE), np.int64)
+    assert not team_wait(box, 1, 100) and box[1, 0] == IDLE   # nothing posted
+    box[1, 0] = POSTED
+    assert not team_wait(box, 1, 100) and box[1, 0] == POSTED   # the caller not inside
+    counters = new_counters(2, 3, box, 2)
+    _arrive(counters, 3)
+    assert box[0, 0] != 0
+    assert team_wait(box, 1, 100) and box[1, 0] == JOINED
+    assert not team_wait(box, 2, 100)   # helper 2's line was never posted
+    # back from the region: its next wait sets it idle first, and nothing is posted
+    assert not team_wait(box, 1, 10) and box[1, 0] == IDLE
+
+
+def test_leaving_withdraws_posts_and_waits_for_joined_helpers():
+    _leave(new_counters(2, 3), 3)   # (compiled first; no team's mailbox: nothing to do)
+    box = np.zeros((3, LINE), np.int64)
+    counters = new_counters(2, 3, box, 2)
+    box[1:, 0] = POSTED
+    _arrive(counters, 3)
+    assert team_wait(box, 2, 100)   # helper 2 joins, helper 1 never does
+    left = threading.Event()
+    leaver = threading.Thread(target=lambda: (_leave(counters, 3), left.set()))
+    leaver.start()
+    deadline = time.monotonic() + 10
+    while box[1, 0] != IDLE and time.monotonic() < deadline:   # the other's post withdrawn
+        time.sleep(0.001)
+    assert box[1, 0] == IDLE
+    assert not left.wait(0.2)   # ... and it waits for the helper that joined
+    team_wait(box, 2, 1)   # helper 2 back: idle
+    assert left.wait(10)
+    leaver.join()
+    assert (box[1:, 0] == IDLE).all()
