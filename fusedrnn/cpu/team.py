@@ -73,7 +73,8 @@ class Team:
             self._job = (kernel, args, counters, workers)
             for k in range(1, helpers + 1):
                 box[k, 0] = POSTED
-                if box[k, 1]:
+                if box[k, 1]:   # asleep: one token, however many launches see it so
+                    box[k, 1] = 0
                     self._wakes[k - 1].put(None)
             kernel(*args, (counters, workers, 0))
         finally:
@@ -90,8 +91,9 @@ class Team:
             if not team_wait(box, k, spins):
                 box[k, 1] = 1   # asleep (under the GIL: a post sees it or was seen here)
                 if box[k, 0] != POSTED:
-                    wake.get()
-                box[k, 1] = 0
+                    wake.get()   # (the post that puts the token clears the flag)
+                else:
+                    box[k, 1] = 0
                 continue
             job = self._job
             if job is None:
@@ -100,8 +102,10 @@ class Team:
             self.joins += 1
             try:
                 kernel(*args, (counters, workers, k))
-            except BaseException as error:   # (the caller's share finishes the region)
-                self.errors.append(error)
+            except BaseException as error:   # (raised by the dispatch, before any claim)
+                self.errors.append(error.with_traceback(None))
+            finally:   # (the region's arrays are not held until the next one)
+                del job, kernel, args, counters
 
 
 # Where a launch wakes sleeping workers; FUSEDRNN_TEAM=0 launches on Numba's layer.

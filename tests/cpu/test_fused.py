@@ -700,6 +700,7 @@ def test_the_cached_prange_body_spills_no_more_than_the_first(monkeypatch, mode,
     if bf16 and not fused.HAS_BF16:
         pytest.skip("the CPU has no AVX512-BF16: no vdpbf16ps layer to compile")
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)   # (this size would run serial)
+    monkeypatch.setattr(fused, "TEAM", None)   # (a team runs the serial build)
     layer = FusedLayer(mode, np.float32, bf16)
     name = "_" + direction
     options = dict(KERNEL_OPTIONS, cache=False)

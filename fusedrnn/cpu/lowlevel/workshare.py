@@ -17,7 +17,7 @@ the scheduler often wakes a region's workers onto one CPU. So a worker that find
 taken leaves it for the region (spread, settle), and a long wait yields (finish, POSIX).
 Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
 
-A team (threads.Team) runs one region as serial builds on several threads: the caller
+A team (team.Team) runs one region as serial builds on several threads: the caller
 runs share 0 and posts the others to helpers that spin a while after each call, so a
 launch wakes no sleeping thread. Helpers join once the caller is inside (it released the
 GIL) and may join late: the caller takes whatever blocks are left.
@@ -373,12 +373,12 @@ def team_leave(counters, workers):
     box = counters[row, 2]
     if box == 0:
         return
+    for k in range(1, counters[row, 3] + 1):   # no helper joins after this
+        _compare_swap(box + k * LINE * 8, POSTED, IDLE)
     for k in range(1, counters[row, 3] + 1):
-        state = box + k * LINE * 8
-        if _compare_swap(state, POSTED, IDLE) == JOINED:
-            spins = 0
-            while _load_acquire(state) == JOINED:
-                spins = _wait(spins)
+        spins = 0
+        while _load_acquire(box + k * LINE * 8) == JOINED:
+            spins = _wait(spins)
 
 
 @nb.njit(nogil=True, cache=True)

@@ -305,7 +305,9 @@ def test_a_launcher_that_works_takes_its_cpu_first():
     cpu, moved = held
     assert not moved and _cpus(counters[steps]) == {cpu - 1}
     assert _hold_launcher(counters, 2) == (0, False)   # held already: not taken twice
-    assert _hold_launcher(new_counters(steps, 2), 2, 1) == (0, False)   # a team's helper
+    helper = counters.copy()
+    helper[steps] = 0
+    assert _hold_launcher(helper, 2, 1) == (0, False) and not helper[steps].any()   # a helper
     _settle(counters, 0, 2, held)
     assert not counters[steps].any()
 
