@@ -66,7 +66,7 @@ __all__ = ["IDLE", "JOINED", "POSTED", "claim", "finish", "hold_launcher", "new_
            "settle", "spread", "team_arrive", "team_leave", "team_wait"]
 
 LINE = 8   # int64 counters per 64-byte cache line
-MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) as int64s; a stride holds one (new_counters)
+MASK_WORDS = 16   # a cpu_set_t (1024 CPUs) in int64 words; a stride holds one (new_counters)
 # Pauses a waiter spins before it also yields: not critical (from a tenth to ten times
 # this alike), short of a scheduler's time slice
 # Measured: bench/results/cpu-kernel-notes.md#workshare-workers-on-one-cpu
@@ -107,7 +107,7 @@ def _aligned(size):
     return raw[skip:skip + size]
 
 
-SPARE = 4096   # int64s in each thread's buffer: the counters of T=200 at 8 workers
+SPARE = 4096   # int64 words in each thread's buffer: the counters of T=200 at 8 workers
 _spare = threading.local()
 
 
