@@ -62,14 +62,15 @@ class ParamLayout:
 
     @cached_property
     def _spans(self) -> dict[tuple[int, int, str], tuple[int, int, tuple[int, ...]]]:
-        """(start, stop, shape) of each block: view's, once (a call takes several)."""
-        return {key: (offset, offset + math.prod(shape), shape)
+        """(start, stop, shape) of each block: view's, once (a call takes several); shape
+        None for a vector (a slice is its view)."""
+        return {key: (offset, offset + math.prod(shape), shape if len(shape) > 1 else None)
                 for key, (offset, shape) in self.blocks.items()}
 
     def view(self, flat, layer: int, direction: int, kind: str):
         """A view (no copy) of one block of `flat`; works for numpy and CuPy arrays."""
         start, stop, shape = self._spans[(layer, direction, kind)]
-        return flat[start:stop].reshape(shape)
+        return flat[start:stop] if shape is None else flat[start:stop].reshape(shape)
 
     def views(self, flat) -> dict[tuple[int, int, str], object]:
         """Every block of `flat` as a view, keyed (layer, direction, kind)."""

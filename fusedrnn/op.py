@@ -53,18 +53,23 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     (torch's CUDA bfloat16: CuPy has none). The op then runs as for data of that dtype
     (the GPU's products on tensor cores), in float32 at its edges.
     """
-    handler = _ARRAY_HANDLERS.get(type(data).__module__.split(".")[0])
-    if handler is not None:
-        return handler(data, parameters, state, state_cell, sequence_length,
-                       state_outputs=state_outputs, train=train, state_size=state_size,
-                       num_layers=num_layers, mode=mode, bidirectional=bidirectional, p=p,
-                       projection_size=projection_size, lstm_state_clip_min=lstm_state_clip_min,
-                       lstm_state_clip_max=lstm_state_clip_max,
-                       lstm_state_clip_nan=lstm_state_clip_nan,
-                       use_sequence_length=use_sequence_length, seed=seed)
+    if type(data) is np.ndarray:   # (first: a small call's every step counts)
+        backend = _cpu_backend()
+    else:
+        handler = _ARRAY_HANDLERS.get(type(data).__module__.split(".")[0])
+        if handler is not None:
+            return handler(data, parameters, state, state_cell, sequence_length,
+                           state_outputs=state_outputs, train=train, state_size=state_size,
+                           num_layers=num_layers, mode=mode, bidirectional=bidirectional, p=p,
+                           projection_size=projection_size,
+                           lstm_state_clip_min=lstm_state_clip_min,
+                           lstm_state_clip_max=lstm_state_clip_max,
+                           lstm_state_clip_nan=lstm_state_clip_nan,
+                           use_sequence_length=use_sequence_length, seed=seed)
+        backend = _backend_for(data)
     train = False if train is None else train
-    backend = _backend_for(data)
-    _check_stored_as(backend, data, _stored_as)
+    if _stored_as is not None:
+        _check_stored_as(backend, data, _stored_as)
     call = check_call(backend, data, parameters, state, state_cell, sequence_length,
                       state_size=state_size, num_layers=num_layers, mode=mode,
                       bidirectional=bidirectional, p=p, state_outputs=state_outputs,
@@ -76,13 +81,15 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            dtype_name(call.dtype), _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)
+    nbytes = op.nbytes
     with op.lock, backend.device_context(call.data):
         op.last_stream = backend.follow(op.last_stream)
         reserve = op.take_reserve() if train else None
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
                                  call.options, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
-    thread_cache().trim(keep=key)
+    if op.nbytes != nbytes:   # (scratch made on first use; the miss trimmed before it)
+        thread_cache().trim(keep=key)
     if train:
         outputs += (TrainingHandle(backend, key, call, reserve, op),)
     return outputs[0] if len(outputs) == 1 else outputs
@@ -178,11 +185,13 @@ def _released():
 
 
 def _cached_op(backend, key, call, stored_as=None):
-    def build():
-        with backend.device_context(call.data):  # scratch lives on data's device
-            return RecurrentOp(backend, call.config, call.seq_len, call.batch, call.dtype,
-                               stored_as)
-    return thread_cache().get(key, build)
+    return thread_cache().get(key, _build_op, backend, call, stored_as)
+
+
+def _build_op(backend, call, stored_as):
+    with backend.device_context(call.data):  # scratch lives on data's device
+        return RecurrentOp(backend, call.config, call.seq_len, call.batch, call.dtype,
+                           stored_as)
 
 
 def _check_stored_as(backend, data, stored_as):

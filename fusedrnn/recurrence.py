@@ -36,6 +36,7 @@ from .layout import ParamLayout
 
 PREV = (0, 1)   # row offset of h_{t-1} (in processing order) for direction 0 / 1
 NEXT = (1, 0)   # row offset of h_t
+_NO_MASKS = (None, None)   # _length_masks without lengths
 # `opts` below is a config.CallOptions (validate builds it; config: why it lives there).
 
 
@@ -211,6 +212,7 @@ class RecurrentOp:
                                          batch)
         T, N, L, D = seq_len, batch, config.num_layers, config.directions
         GH, H, R = config.gate_rows, config.state_size, config.recurrent_size
+        self._dims = (L, D, H, R, config.cell.has_cell_state)   # (read at every call)
         max_in = max(config.layer_input_size(layer) for layer in range(L))
         self.scratch, self.nbytes = _carve(self.xp, self.dtype, {
             "xproj": (0 if self.plan.fuses_input else T * N, D * GH),
@@ -296,9 +298,9 @@ class RecurrentOp:
         return range(self.T) if d == 0 else range(self.T - 1, -1, -1)
 
     def initial_state(self, layer, d, h0, c0, hs, cs):
-        idx, first = layer * self.config.directions + d, (0 if d == 0 else self.T)
+        idx, first = layer * self._dims[1] + d, (0 if d == 0 else self.T)
         hs[d, first] = h0[idx] if h0 is not None else 0
-        if self.config.cell.has_cell_state:
+        if self._dims[4]:
             cs[d, first] = c0[idx] if c0 is not None else 0
 
     def _length_masks(self, opts):
@@ -390,14 +392,14 @@ class RecurrentOp:
                 for key, (offset, _) in blocks.items() if key[2] in ("b_x", "b_h")}
 
     def _forward(self, data, params, h0, c0, opts, reserve, out=None, biases=None):
-        xp, cfg, T, N = self.xp, self.config, self.T, self.N
-        L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
-        lstm, training = cfg.cell.has_cell_state, reserve is not None
+        xp, T, N = self.xp, self.T, self.N
+        L, D, H, R, lstm = self._dims
+        training = reserve is not None
         if out is None:
             out = xp.empty((T, N, D * R), dtype=self.dtype)
         hy = xp.empty((L * D, N, R), dtype=self.dtype)
         cy = xp.empty((L * D, N, H), dtype=self.dtype) if lstm else None
-        masks = self._length_masks(opts)
+        masks = _NO_MASKS if opts.lengths is None else self._length_masks(opts)
         dropout = self._dropout_masks(opts) if training and opts.dropout > 0 else []
         x = data
         for layer in range(L):
@@ -699,32 +701,37 @@ class FusedDriver:
         """biases: None, or {(layer, d, kind): float32 b_x / b_h} where params is the
         data's half-precision vector, its weights read in place (FusedLayer.reads_weights)."""
         op, fused = self.op, self.layer
-        cfg, T, N, lay = op.config, op.T, op.N, op.layout
-        D, GH = cfg.directions, cfg.gate_rows
+        T, N, lay, D = op.T, op.N, op.layout, op._dims[1]
         record = saved if saved is not None else self._no_record
         scratch = self._forward_views()
+        if self.single:   # (first: the smallest calls' path)
+            for d in range(D):
+                op.initial_state(layer, d, h0, c0, hs, cs)
+                if biases is None:
+                    b_x, b_h = lay.view(params, layer, d, "b_x"), lay.view(params, layer, d, "b_h")
+                else:
+                    b_x, b_h = biases[layer, d, "b_x"], biases[layer, d, "b_h"]
+                fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
+                                     lay.view(params, layer, d, "W_h"), b_x, b_h, hs, cs, y,
+                                     record, scratch, *self._tail(opts))
+            return
         fuses = op.plan.fuses_input
         x_pairs, xproj = None, None
         if fuses:   # the loop multiplies W_x x_t itself
             x_pairs = fused.input_pairs(x.reshape(T * N, -1), scratch)
-        elif not self.single:   # the T=1 form projects its input itself
-            if fused.projects_input:   # its own GEMM (cpu/lowlevel: why)
-                w_xs = [lay.view(params, layer, d, "W_x") for d in range(D)]
-                fused.project(x.reshape(T * N, -1), w_xs, op.scratch.xproj, scratch)
-            else:
-                op.project_input(layer, x, params)
+        elif fused.projects_input:   # its own GEMM (cpu/lowlevel: why)
+            w_xs = [lay.view(params, layer, d, "W_x") for d in range(D)]
+            fused.project(x.reshape(T * N, -1), w_xs, op.scratch.xproj, scratch)
+        else:
+            op.project_input(layer, x, params)
         if not fuses:
-            xproj = op.scratch.xproj.reshape(T, N, D * GH)
+            xproj = op.scratch.xproj.reshape(T, N, D * op.config.gate_rows)
         for d in range(D):
             op.initial_state(layer, d, h0, c0, hs, cs)
             w_h = lay.view(params, layer, d, "W_h")
             b_x, b_h = ((lay.view(params, layer, d, k) if biases is None else biases[layer, d, k])
                         for k in ("b_x", "b_h"))
-            if self.single:
-                fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
-                                     w_h, b_x, b_h, hs, cs, y, record, scratch,
-                                     *self._tail(opts))
-            elif fuses:
+            if fuses:
                 fused.forward(None, d, w_h, b_x, b_h, hs, cs, y, record, scratch,
                               *self._tail(opts), x_pairs=x_pairs,
                               w_x=lay.view(params, layer, d, "W_x"))

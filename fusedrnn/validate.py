@@ -25,7 +25,7 @@ __all__ = ["check_call", "check_scalars", "CheckedCall"]
 DTYPE_NAMES = " or ".join((", ".join(list(PRECISIONS)[:-1]), list(PRECISIONS)[-1]))
 
 
-@dataclass
+@dataclass(slots=True)
 class CheckedCall:
     config: RNNConfig
     data: object
@@ -82,16 +82,17 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
     data = _array("data", data, 3, backend)
     if min(data.shape) < 1:
         raise ValueError(f"data: expected shape (T, N, I) with T, N, I >= 1, got {data.shape}")
-    cfg = check_config(mode, data.shape[2], state_size, num_layers, bidirectional, projection_size)
-    state_outputs, options = _scalars(cfg, state_outputs, p, train, lstm_state_clip_min,
-                                      lstm_state_clip_max, lstm_state_clip_nan,
-                                      use_sequence_length, seed)
+    # Every argument but the arrays, checked once per values and types (True is not 1
+    # here): a program passes the same few again at every call.
+    args = (mode, data.shape[2], state_size, num_layers, bidirectional, projection_size,
+            state_outputs, p, train, lstm_state_clip_min, lstm_state_clip_max,
+            lstm_state_clip_nan, use_sequence_length, seed)
+    cfg, state_outputs, options, expected = remembered(
+        _SETTINGS, (args, tuple(map(type, args))), lambda: _settings(*args))
 
-    T, N, _ = data.shape
-    LD, R, H = cfg.num_layers * cfg.directions, cfg.recurrent_size, cfg.state_size
-    expected = expected_size(cfg)
     parameters = _array("parameters", parameters, 1, backend, data)
     if parameters.shape[0] != expected:
+        H = cfg.state_size
         formula = ("D*G*H*(I+P+2) + (L-1)*D*G*H*(D*P+P+2) + L*D*P*H" if cfg.projection_size
                    else "D*G*H*(I+H+2) + (L-1)*D*G*H*(D*H+H+2)")
         sizes = f"H={H}" + (f", P={cfg.projection_size}" if cfg.projection_size else "")
@@ -100,44 +101,43 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
             f"{sizes}, num_layers={cfg.num_layers}, directions={cfg.directions} "
             f"({formula}), got {parameters.shape[0]}")
     if state is not None:
+        LD, N = cfg.num_layers * cfg.directions, data.shape[1]
         state = _array("state", state, 3, backend, data)
-        if state.shape != (LD, N, R):
+        if state.shape != (LD, N, cfg.recurrent_size):
             raise ValueError(f"state: expected shape (num_layers*directions, N, R) = "
-                             f"{(LD, N, R)}, got {state.shape}")
-    if cfg.cell.has_cell_state:
-        if state_cell is not None:
-            state_cell = _array("state_cell", state_cell, 3, backend, data)
-            if state_cell.shape != (LD, N, H):
-                raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "
-                                 f"{(LD, N, H)}, got {state_cell.shape}")
-    elif state_cell is not None:
-        raise ValueError(f"state_cell: only mode={modes_with('has_cell_state')} has a cell state, "
-                         f"got one for mode={cfg.mode!r}")
-    lengths = _check_lengths(backend, data, sequence_length, use_sequence_length)
-    if lengths is not None:
-        options = replace(options, lengths=lengths)
+                             f"{(LD, N, cfg.recurrent_size)}, got {state.shape}")
+    if state_cell is not None:
+        if not cfg.cell.has_cell_state:
+            raise ValueError(f"state_cell: only mode={modes_with('has_cell_state')} has a cell "
+                             f"state, got one for mode={cfg.mode!r}")
+        LD, N = cfg.num_layers * cfg.directions, data.shape[1]
+        state_cell = _array("state_cell", state_cell, 3, backend, data)
+        if state_cell.shape != (LD, N, cfg.state_size):
+            raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "
+                             f"{(LD, N, cfg.state_size)}, got {state_cell.shape}")
+    if use_sequence_length or sequence_length is not None:   # (a checked bool by now)
+        options = replace(options, lengths=_check_lengths(backend, data, sequence_length,
+                                                          use_sequence_length))
     return CheckedCall(cfg, data, parameters, state, state_cell, state_outputs, options)
 
 
-_SCALARS: dict = {}   # _scalars' results by config, argument values and their types
+_SETTINGS: dict = {}   # _settings' results by argument values and their types
 
 
-def _scalars(cfg, state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length,
-             seed):
-    """(state_outputs, the CallOptions but lengths) of a call's scalar arguments, checked
-    by check_scalars' rules; remembered per config, values and types like check_config's
-    results, since a program passes the same few again at every call."""
-    args = (state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length, seed)
-
-    def check():
-        outputs = _bool("state_outputs", state_outputs)
-        check_scalars(cfg, p=p, train=train, lstm_state_clip_min=clip_min,
-                      lstm_state_clip_max=clip_max, lstm_state_clip_nan=clip_nan,
-                      use_sequence_length=use_sequence_length, seed=seed)
-        return outputs, CallOptions(
-            **_check_clip(cfg, clip_min, clip_max, clip_nan),
-            dropout=float(p) if train and cfg.num_layers > 1 else 0.0, seed=_check_seed(seed))
-    return remembered(_SCALARS, (cfg, *((type(a), a) for a in args)), check)
+def _settings(mode, input_size, state_size, num_layers, bidirectional, projection_size,
+              state_outputs, p, train, clip_min, clip_max, clip_nan, use_sequence_length,
+              seed):
+    """(config, state_outputs, the CallOptions but lengths, the parameters' size) of a
+    call's arguments that are not arrays, by check_config's and check_scalars' rules."""
+    cfg = check_config(mode, input_size, state_size, num_layers, bidirectional, projection_size)
+    outputs = _bool("state_outputs", state_outputs)
+    check_scalars(cfg, p=p, train=train, lstm_state_clip_min=clip_min,
+                  lstm_state_clip_max=clip_max, lstm_state_clip_nan=clip_nan,
+                  use_sequence_length=use_sequence_length, seed=seed)
+    return cfg, outputs, CallOptions(
+        **_check_clip(cfg, clip_min, clip_max, clip_nan),
+        dropout=float(p) if train and cfg.num_layers > 1 else 0.0,
+        seed=_check_seed(seed)), expected_size(cfg)
 
 
 def check_scalars(cfg, *, p, train, lstm_state_clip_min, lstm_state_clip_max,

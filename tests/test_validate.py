@@ -213,13 +213,14 @@ def test_a_remembered_config_never_answers_for_an_argument_of_another_type():
 
 
 def test_remembered_scalars_never_answer_for_another_type_or_config():
-    """The scalar arguments' checks are remembered per config, values and types: after good
+    """The other arguments' checks are remembered per values and types: after good
     calls, 1 for a bool and True for p are still refused, a clip range is still refused for
     GRU after LSTM took it, and a remembered p still gives dropout only where it applies."""
     case, kw, _ = make_case("lstm", L=2)
     clip = dict(lstm_state_clip_min=-1.0, lstm_state_clip_max=1.0)
     fusedrnn.RNN(**case, **kw, **clip, state_outputs=True, train=False, p=0.0)
-    for name, bad in (("state_outputs", 1), ("train", 1), ("lstm_state_clip_nan", 0)):
+    for name, bad in (("state_outputs", 1), ("train", 1), ("lstm_state_clip_nan", 0),
+                      ("use_sequence_length", 0)):
         with pytest.raises(TypeError, match=f"{name}: expected a bool"):
             fusedrnn.RNN(**case, **kw, **clip, **{name: bad})
     with pytest.raises(TypeError, match="p: expected a float"):

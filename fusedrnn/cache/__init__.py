@@ -44,14 +44,16 @@ class OpCache:
         self._ops = OrderedDict()
         self.hits = self.misses = self.evictions = 0
 
-    def get(self, key, build):
+    def get(self, key, build, *args):
+        """The op under `key`, or build(*args)'s, kept (the arguments, not a closure: a
+        hit should cost no more than the lookup)."""
         op = self._ops.get(key)
         if op is not None:
             self.hits += 1
             self._ops.move_to_end(key)
             return op
         self.misses += 1
-        op = build()  # if this raises, nothing was inserted
+        op = build(*args)  # if this raises, nothing was inserted
         self._ops[key] = op
         self.trim(keep=key)
         return op

@@ -540,11 +540,13 @@ def _launch(builds, serial, steps, blocks, args):
     """builds (parallel, serial) of a kernel, launched on `args` + (counters, workers, me):
     several workers on a team where there is one (team.py), else on Numba's layer."""
     workers = _workers(blocks, serial)
-    if workers > 1 and TEAM is not None:
+    if workers == 1:   # (a serial build opens no region: no lock, the same sums)
+        builds[1](*args, (new_counters(steps, 1), 1, 0))
+    elif TEAM is not None:
         TEAM.launch(builds[1], args, steps, workers)
-        return
-    with LAUNCH_LOCK:
-        pick(*builds, serial)(*args, (new_counters(steps, workers), workers, 0))
+    else:
+        with LAUNCH_LOCK:
+            pick(*builds, serial)(*args, (new_counters(steps, workers), workers, 0))
 
 
 # Small calls run serial builds (no launch): up to SERIAL_WORK multiply-adds at T=1
@@ -774,11 +776,13 @@ class FusedLayer:
     def _weight(self, w):
         """A weight for forward_single, contiguous: the layer's dtype, or with reads_weights
         bfloat16 bits."""
-        if w.dtype != self.dtype and not (self.reads_weights and dtype_name(w.dtype) == "bfloat16"):
+        if w.dtype == self.dtype:
+            return np.ascontiguousarray(w)
+        if not (self.reads_weights and dtype_name(w.dtype) == "bfloat16"):
             raise TypeError(f"FusedLayer.forward_single: weights of {self.dtype} "
                             f"{'or bfloat16 ' if self.reads_weights else ''}expected, got "
                             f"{w.dtype}")
-        return np.ascontiguousarray(_bits_or_values(w))
+        return np.ascontiguousarray(w.view(np.uint16))
 
     def forward_single(self, x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, scratch, lengths,
                        clip_lo, clip_hi, clip_flags):
