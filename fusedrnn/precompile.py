@@ -10,6 +10,7 @@ module as a process of its own (`python -m fusedrnn.precompile SPEC`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -52,10 +53,12 @@ def replay(kernels: warm.KernelSet):
     own layers and two bidirectional ones, whose buffer views other stacks share)."""
     _set_bounds(None)   # (what the modules shipped with, recorded before any change)
     team = fused.TEAM
+    # (a process without a team, FUSEDRNN_TEAM=0, fills the cache for those with one too)
+    shares = team if team is not None else _own_team()
     try:
-        # every parallel build (Numba's layer, then a team's shares where this process has
-        # one: a torch program launches the former), then every serial one
-        for bound, fused.TEAM in dict.fromkeys([(-1, None), (-1, team), (1 << 62, team)]):
+        # every parallel build (Numba's layer, then a team's shares: a torch program
+        # launches the former), then every serial one
+        for bound, fused.TEAM in ((-1, None), (-1, shares), (1 << 62, team)):
             _set_bounds(bound)
             for layers, bidirectional in {(kernels.num_layers, kernels.bidirectional),
                                           (2, True)}:
@@ -67,6 +70,12 @@ def replay(kernels: warm.KernelSet):
     finally:
         _set_bounds(None)
         fused.TEAM = team
+
+
+@functools.cache
+def _own_team():
+    from .cpu.team import Team
+    return Team()
 
 
 def _replay_calls(kernels, num_layers, bidirectional):

@@ -147,6 +147,27 @@ def test_kernel_sets_by_form():
         "lstm-float32-projected"]
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_a_replay_runs_a_teams_shares_even_where_the_process_has_no_team(monkeypatch, own):
+    """The replay's passes: Numba's parallel builds (no team), a team's shares, the serial
+    builds. A process without a team (FUSEDRNN_TEAM=0) replays the shares on one of its
+    own, so the cache it fills also serves the processes that have one."""
+    from fusedrnn import precompile
+    from fusedrnn.cpu import fused
+    from fusedrnn.cpu.team import Team
+    team = Team() if own else None
+    monkeypatch.setattr(fused, "TEAM", team)
+    passes = []
+    monkeypatch.setattr(precompile, "_replay_calls",
+                        lambda *args: passes.append((fused.SERIAL_WORK, fused.TEAM)))
+    cfg = RNNConfig(mode="gru", input_size=3, state_size=4, num_layers=1)
+    precompile.replay(warm.KernelSet.of(cfg, 1, np.dtype(np.float32)))
+    (_, first), (bound, second), (_, third) = passes[::2]   # (two stacks a pass)
+    assert first is None and isinstance(second, Team) and bound == -1 and third is team
+    assert second is team if own else second is precompile._own_team()
+    assert fused.TEAM is team   # (restored)
+
+
 def test_a_background_compile_that_fails_leaves_the_op_to_compile_here(monkeypatch, tmp_path):
     """A replay that ends without its marker: the next call runs fused (compiling in this
     process, as without the first tier), not the first tier forever."""

@@ -165,8 +165,10 @@ _OVERSUBSCRIBED = textwrap.dedent("""
 """)
 
 
-def test_more_workers_than_threads_neither_hangs_nor_changes_results():
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+@pytest.mark.parametrize("team", ["1", "0"])   # (shares on a team; on Numba's workqueue)
+def test_more_workers_than_threads_neither_hangs_nor_changes_results(team):
+    env = dict(os.environ, FUSEDRNN_TEAM=team,
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run([sys.executable, "-c", _OVERSUBSCRIBED], env=env, timeout=300,
                               capture_output=True, text=True)
