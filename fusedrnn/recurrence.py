@@ -755,6 +755,8 @@ class FusedDriver:
                             b.dh_carry, b.dc_carry, self._backward_views(b),
                             *self._tail(opts))
         first = 0 if d == 0 else T - 1
-        xp.matmul((dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH], w_h,
-                  out=b.dh_rec)
+        # (the backend's GEMM, as the op's others: at T=1 a whole step's product, which
+        # the call's one BLAS thread would run alone)
+        op.backend.matmul((dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH], w_h,
+                          b.dh_rec)
         return True
