@@ -81,15 +81,13 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     key = (backend.name, backend.device_key(call.data), call.config, call.seq_len, call.batch,
            dtype_name(call.dtype), _stored_as)   # (the name: bfloat16's str is any 2-byte void's)
     op = _cached_op(backend, key, call, _stored_as)
-    nbytes = op.nbytes
     with op.lock, backend.device_context(call.data):
         op.last_stream = backend.follow(op.last_stream)
         reserve = op.take_reserve() if train else None
         out, hy, cy = op.forward(call.data, call.parameters, call.state, call.state_cell,
                                  call.options, reserve)
     outputs = (out, hy) + ((cy,) if cy is not None else ()) if call.state_outputs else (out,)
-    if op.nbytes != nbytes:   # (scratch made on first use; the miss trimmed before it)
-        thread_cache().trim(keep=key)
+    thread_cache().trim(keep=key)
     if train:
         outputs += (TrainingHandle(backend, key, call, reserve, op),)
     return outputs[0] if len(outputs) == 1 else outputs

@@ -242,13 +242,19 @@ def test_the_backward_gemms_run_on_pairs_where_the_backend_has_them(monkeypatch,
     real = CpuBackend.matmul
     def matmul(a, b, out, *args, **kwargs):
         if out.dtype == np.float32:   # (not the float64 reference's backward)
-            seen.append(kwargs.get("pairs") is not None)
+            seen.append((kwargs.get("pairs") is not None, a.shape[0]))   # (rows summed or kept)
         return real(a, b, out, *args, **kwargs)
     monkeypatch.setattr(BACKEND, "matmul", matmul)
-    case, kw, heads = make_case("lstm", T=5, N=3, I=4, H=18, L=2, D=2, seed=6)
+    T, N = 5, 3
+    case, kw, heads = make_case("lstm", T=T, N=N, I=4, H=18, L=2, D=2, seed=6)
     check(case, kw, HALF[dtype], heads, train_kw=dict(train=True))
-    assert len(seen) == 2 * 5   # per layer: dX, and per direction two weight gradients
-    assert set(seen) == {dtype == "bfloat16" and CpuBackend.pair_products(dtype)}
+    # per layer: dX, and per direction two weight gradients, over all T*N rows
+    over_all = [pairs for pairs, rows in seen if rows == T * N]
+    assert len(over_all) == 2 * 5
+    assert set(over_all) == {dtype == "bfloat16" and CpuBackend.pair_products(dtype)}
+    # per layer and direction dh_0 = dG @ W_h of its first step's N rows, in float32
+    assert [pairs for pairs, rows in seen if rows == N] == [False] * (2 * 2)
+    assert len(seen) == 2 * 5 + 2 * 2
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])

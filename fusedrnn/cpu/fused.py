@@ -85,7 +85,7 @@ from .lowlevel import (
     zero_like,
 )
 from .team import TEAM
-from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, pick, serial_only
+from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
 __all__ = ["FusedLayer", "fused_layer"]
@@ -539,14 +539,15 @@ def _workers(blocks, serial=False):
 def _launch(builds, serial, steps, blocks, args):
     """builds (parallel, serial) of a kernel, launched on `args` + (counters, workers, me):
     several workers on a team where there is one (team.py), else on Numba's layer."""
-    workers = _workers(blocks, serial)
-    if workers == 1:   # (a serial build opens no region: no lock, the same sums)
+    if serial or serial_only():   # (a serial build opens no region: no lock)
         builds[1](*args, (new_counters(steps, 1), 1, 0))
-    elif TEAM is not None:
+        return
+    workers = _workers(blocks)
+    if workers > 1 and TEAM is not None:
         TEAM.launch(builds[1], args, steps, workers)
-    else:
+    else:   # (one worker too: the replay compiles every parallel build this way)
         with LAUNCH_LOCK:
-            pick(*builds, serial)(*args, (new_counters(steps, workers), workers, 0))
+            builds[0](*args, (new_counters(steps, workers), workers, 0))
 
 
 # Small calls run serial builds (no launch): up to SERIAL_WORK multiply-adds at T=1
@@ -587,8 +588,8 @@ def bias_rows_of(bx, bh, out):
 
 
 class FusedLayer:
-    """The compiled fused loop of one (mode, dtype), launched under LAUNCH_LOCK: the
-    recurrence's FusedLayer protocol, with its InputProjection and SingleStep forms."""
+    """The compiled fused loop of one (mode, dtype), its parallel builds launched under
+    LAUNCH_LOCK (_launch): the recurrence's FusedLayer protocol, with its InputProjection and SingleStep forms."""
 
     fuses_single_step = True
 
