@@ -589,7 +589,8 @@ def bias_rows_of(bx, bh, out):
 
 class FusedLayer:
     """The compiled fused loop of one (mode, dtype), its parallel builds launched under
-    LAUNCH_LOCK (_launch): the recurrence's FusedLayer protocol, with its InputProjection and SingleStep forms."""
+    LAUNCH_LOCK (_launch): the recurrence's FusedLayer protocol, with its InputProjection
+    and SingleStep forms."""
 
     fuses_single_step = True
 
