@@ -100,8 +100,8 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
             f"parameters: expected {expected} elements for {cfg.mode} with I={cfg.input_size}, "
             f"{sizes}, num_layers={cfg.num_layers}, directions={cfg.directions} "
             f"({formula}), got {parameters.shape[0]}")
+    LD, N = cfg.num_layers * cfg.directions, data.shape[1]
     if state is not None:
-        LD, N = cfg.num_layers * cfg.directions, data.shape[1]
         state = _array("state", state, 3, backend, data)
         if state.shape != (LD, N, cfg.recurrent_size):
             raise ValueError(f"state: expected shape (num_layers*directions, N, R) = "
@@ -110,7 +110,6 @@ def check_call(backend, data, parameters, state, state_cell, sequence_length, *,
         if not cfg.cell.has_cell_state:
             raise ValueError(f"state_cell: only mode={modes_with('has_cell_state')} has a cell "
                              f"state, got one for mode={cfg.mode!r}")
-        LD, N = cfg.num_layers * cfg.directions, data.shape[1]
         state_cell = _array("state_cell", state_cell, 3, backend, data)
         if state_cell.shape != (LD, N, cfg.state_size):
             raise ValueError(f"state_cell: expected shape (num_layers*directions, N, H) = "

@@ -561,8 +561,9 @@ _WAKES = SLEEPING_WORKERS and TEAM is None
 SERIAL_WORK = 1 << 25 if _WAKES else 1 << 20 if TEAM is not None else 1 << 19
 SERIAL_LOOP_WORK = 1 << 24 if SLEEPING_WORKERS else 1 << 20
 SERIAL_LOOP_BYTES = 1 << 20
-# One-panel blocks go in pairs (one 8 x 2 product) from this many samples (a 1 x 2 tile
-# has too few sums): the forward's one-gate blocks, and the backward's dh_rec products.
+# One-panel blocks go in pairs (one product over two panels) from this many samples (a
+# tile of one row has too few sums): the forward's one-gate blocks, and the backward's
+# dh_rec products.
 # Measured: bench/results/cpu-kernel-notes.md#fused-one-gate-blocks-in-pairs
 # Measured: bench/results/cpu-kernel-notes.md#fused-the-backwards-product-in-pairs
 PAIR_ROWS = 4

@@ -30,8 +30,8 @@ from .workshare import claim, finish, team_arrive, team_leave
 
 __all__ = ["CHUNK", "project"]
 
-# Rows per work item: a multiple of the tile heights (6 and 3), and a chunk of A (96 x 800
-# floats) small enough to stay in L2 while every panel of W passes over it.
+# Rows per work item: a multiple of the tile heights, and a chunk of A (these rows of a
+# design-size input) small enough to stay in L2 while every panel of W passes over it.
 CHUNK = 96
 # Up to this many multiply-adds (M*K*C) the projection runs as its serial build: a
 # parallel region's launch costs more than the product on one core, and more in a numpy
