@@ -440,6 +440,8 @@ class RecurrentOp:
                 "dr": (T, N, R if proj else 0),        # gradient w.r.t. each step's r
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
+                # a single step's dh_rec products, one per direction (_backward: together)
+                "dh_first": (D if self.driver.single else 0, N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
                 "pairs": (self._pair_scratch(),),   # 4-byte elements, viewed as uint32
                 # half precision: the float32 head gradient and the float32 gradients of
@@ -505,23 +507,36 @@ class RecurrentOp:
             b.zeros_out[...] = 0
             dout = b.zeros_out
         dy = dout
+        # A single step's products (each too small for a launch of its own) go to the
+        # backend together, once a layer's directions are done, where it takes them.
+        single = self.driver.single and not self.plan.half_gemms
         for layer in range(L - 1, -1, -1):
             x2d = (data if layer == 0 else reserve.ys[layer - 1]).reshape(T * N, -1)
+            together = single and self.backend.step_products(
+                self.dtype, 2 * N * D * cfg.gate_rows * (x2d.shape[1] + R))
             if cfg.projection_size and masks[0] is not None:
                 xp.multiply(dy, masks[0], out=b.dy_masked)  # y is constant 0 past a length
                 dy = b.dy_masked
+            jobs = [] if together else None
             for d in range(D):
                 self._direction_backward(layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
-                                         opts, masks, b, g_h0, g_c0)
+                                         opts, masks, b, g_h0, g_c0, jobs)
             dx = g_data if layer == 0 else b.dys
-            self._gemm(b, b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
+            if together:
+                jobs.append((b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1), False))
+                self.backend.products(jobs, self.dtype)
+                g_h0[layer * D:(layer + 1) * D] += b.dh_first
+            else:
+                self._gemm(b, b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
             if layer > 0 and reserve.masks:
                 b.dys *= reserve.masks[layer - 1]
             dy = b.dys
         return g_data, g_params, g_h0, g_c0
 
     def _direction_backward(self, layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
-                            opts, masks, b, g_h0, g_c0):
+                            opts, masks, b, g_h0, g_c0, jobs=None):
+        """One direction's loop, dh_0, dc_0 and parameter gradients; with `jobs` (a list)
+        its GEMMs are appended there as (a, b, out, transpose_a), dh_rec's into dh_first."""
         xp, cfg, T, N, lay = self.xp, self.config, self.T, self.N, self.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
         cell, proj = cfg.cell, bool(cfg.projection_size)
@@ -537,18 +552,25 @@ class RecurrentOp:
         if cell.has_cell_state:
             b.dc_carry[...] = dcy[idx] if dcy is not None else 0
         carried = self.driver.direction_backward(layer, d, reserve, params, dy, opts, masks,
-                                                 b, use_h_carry)
-        g_h0[idx] = b.dh_rec
-        if carried:
-            g_h0[idx] += b.dh_carry
+                                                 b, use_h_carry, jobs)
+        if jobs is not None:   # (dh_rec's part comes with the products: _backward)
+            g_h0[idx] = b.dh_carry if carried else 0
+        else:
+            g_h0[idx] = b.dh_rec
+            if carried:
+                g_h0[idx] += b.dh_carry
         if cell.has_cell_state:
             g_c0[idx] = b.dc_carry
         # Weight gradients: one GEMM over all T*N rows per direction.
-        gemm = self._gemm
-        gemm(b, b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x"), transpose_a=True)
-        gemm(b, dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
-             lay.view(g_params, layer, d, "W_h"), transpose_a=True,
-             a_again=not cell.split_gate_grads)
+        w_grads = ((b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x")),
+                   (dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
+                    lay.view(g_params, layer, d, "W_h")))
+        if jobs is not None:
+            jobs += [(a, w, out, True) for a, w, out in w_grads]
+        else:
+            gemm = self._gemm
+            gemm(b, *w_grads[0], transpose_a=True)
+            gemm(b, *w_grads[1], transpose_a=True, a_again=not cell.split_gate_grads)
         if proj:
             gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)
@@ -563,6 +585,8 @@ class StepDriver:
     """Per step: h_{t-1} @ W_h^T by the backend's GEMM, then its pointwise cell kernel
     (forward_step / backward_step: cpu/cells.py documents them). Serves every config,
     the projected LSTM included."""
+
+    single = False   # (FusedDriver's T=1 form)
 
     def __init__(self, op, forward_step, backward_step):
         self.op, self.forward_step, self.backward_step = op, forward_step, backward_step
@@ -621,9 +645,10 @@ class StepDriver:
                 else:
                     y[:, :, d * R:(d + 1) * R] = states
 
-    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry):
+    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry,
+                           jobs=None):
         """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (the backend's
-        GEMM). Returns whether b.dh_carry holds a part of dh_0."""
+        GEMM). Returns whether b.dh_carry holds a part of dh_0. (jobs: FusedDriver's.)"""
         op = self.op
         xp, cfg, T, N, lay = op.xp, op.config, op.T, op.N, op.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
@@ -739,9 +764,11 @@ class FusedDriver:
                 fused.forward(xproj, d, w_h, b_x, b_h, hs, cs, y, record, scratch,
                               *self._tail(opts))
 
-    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry):
+    def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry,
+                           jobs=None):
         """The layer's backward loop, then the last dh_rec = dg @ W_h of the direction's
-        first step. The loop always leaves a direct carry in b.dh_carry."""
+        first step (with `jobs`: appended there, into b.dh_first[d]). The loop always
+        leaves a direct carry in b.dh_carry."""
         op = self.op
         xp, cfg, T, N = op.xp, op.config, op.T, op.N
         D, GH, split = cfg.directions, cfg.gate_rows, cfg.cell.split_gate_grads
@@ -757,6 +784,9 @@ class FusedDriver:
         first = 0 if d == 0 else T - 1
         # (the backend's GEMM, as the op's others: at T=1 a whole step's product, which
         # the call's one BLAS thread would run alone)
-        op.backend.matmul((dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH], w_h,
-                          b.dh_rec)
+        dg_first = (dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH]
+        if jobs is not None:
+            jobs.append((dg_first, w_h, b.dh_first[d], False))
+        else:
+            op.backend.matmul(dg_first, w_h, b.dh_rec)
         return True

@@ -16,22 +16,25 @@ from .cells import cell_kernels  # noqa: E402
 from .firsttier import FirstTierBackend  # noqa: E402
 from .fused import fused_layer, own_gemm  # noqa: E402
 from .heap import raise_mmap_threshold  # noqa: E402
-from .lowlevel import (  # noqa: E402
+from .lowlevel import (  # noqa: E402  # noqa: E402
     CHUNK,
     HAS_BF16,
     PANEL,
     interleave_rows,
+    job_rows,
     narrow,
     narrow_f16,
     pack_k_pairs,
     pack_recurrent_rows,
     panels,
+    products,
     project,
     project_bf16,
     round_rows,
     widen,
     widen_f16,
 )
+from .team import TEAM  # noqa: E402
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -48,6 +51,11 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
+# A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
+# multiply-adds (fewer lost to BLAS's one by one) up to STEP_PRODUCTS_MOST (more: to BLAS in parts).
+# Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
+STEP_PRODUCTS_WORK = 1 << 21
+STEP_PRODUCTS_MOST = 1 << 28
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
@@ -189,6 +197,23 @@ class CpuBackend:
             return _own_product(host.transpose(a, np.empty((M, K), out.dtype)),
                                 np.ascontiguousarray(b), out)
         return host.matmul(a, b, out, transpose_a)
+
+    @staticmethod
+    def step_products(dtype, work):
+        """Whether a single step's backward products (`work` multiply-adds in all) go to
+        `products` together: in a numpy program, where the micro-kernel runs `dtype`,
+        between the STEP_PRODUCTS_ bounds (a torch program's stay on its pool).
+        Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region"""
+        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and \
+            TORCH_CALLER.get() is None and own_gemm(dtype)
+
+    @staticmethod
+    def products(jobs, dtype):
+        """out = a @ b, or a^T @ b, for each (a, b, out, transpose_a) of `jobs`, in one
+        region of the micro-kernel (lowlevel/batched.py): 2-D arrays of `dtype` with unit
+        column strides, no out overlapping an input."""
+        rows, items, work = job_rows(jobs, dtype)
+        products(rows, items, dtype.type(0), work, TEAM)
 
     @staticmethod
     def astype(array, dtype, out=None):

@@ -148,6 +148,11 @@ class FirstTierBackend:
         return False
 
     @staticmethod
+    def step_products(dtype, work):
+        """Never: numpy's GEMMs one by one (nothing to compile)."""
+        return False
+
+    @staticmethod
     def pair_projection(rows):
         return False
 

@@ -54,6 +54,12 @@ class GpuBackend:
         return int(self.xp.cuda.Device().compute_capability) >= 80
 
     @staticmethod
+    def step_products(dtype, work):
+        """Never: a single step's backward GEMMs stay cuBLAS calls one by one (the CPU
+        backend's `products` runs them in one region)."""
+        return False
+
+    @staticmethod
     def pair_projection(rows):
         """Whether the op's input projection of `rows` (T*N) rows runs through matmul's
         `pairs` too, where pair_products holds: from halfgemm.MIN_PROJECTION_ROWS (the

@@ -171,3 +171,19 @@ def test_the_first_tiers_matmul_matches_float64(K, transpose_a):
     FirstTierBackend.matmul(a, b, out, transpose_a=transpose_a)
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= TOL[np.float32] * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_single_steps_products_go_together_between_the_bounds(dtype):
+    """step_products: between STEP_PRODUCTS_WORK (exclusive) and STEP_PRODUCTS_MOST, in a
+    numpy program, where the micro-kernel runs the dtype; never in a torch program."""
+    dtype = np.dtype(dtype)
+    own = cpu.own_gemm(dtype)
+    low, most = cpu.STEP_PRODUCTS_WORK, cpu.STEP_PRODUCTS_MOST
+    assert [CpuBackend.step_products(dtype, w) for w in (low, low + 1, most, most + 1)] == \
+        [False, own, own, False]
+    token = TORCH_CALLER.set(StandIn([]))
+    try:
+        assert not CpuBackend.step_products(dtype, low + 1)
+    finally:
+        TORCH_CALLER.reset(token)

@@ -4,6 +4,7 @@ submodules (tests/test_layering.py checks it):
     microkernel  the register-tiled GEMM against packed panels; row_dots for few samples
     packing      every weight layout the micro-kernel reads
     gemm         the input projection of all steps (and the input gradient's GEMM)
+    batched      a single step's backward GEMMs in one region, B read in place
     rows         16-element vector row moves
     workshare    the steps' blocks shared in one parallel region
     mathfn       vectorisable exp, sigmoid, tanh and selects
@@ -29,6 +30,7 @@ process may override before it compiles a tile (tile_settings() reads it).
 from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, row_dots, tile_settings
 
 # isort: split
+from .batched import job_rows, products
 from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_bf16_cols
 from .bf16gemm import (
     bf16_bits,
@@ -62,11 +64,11 @@ from .workshare import (
 )
 
 __all__ = ["CHUNK", "HAS_BF16", "IDLE", "LINE", "PANEL", "POSTED", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
-           "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "narrow",
+           "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "job_rows", "narrow",
            "narrow_f16", "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
            "pack_k_pairs", "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
            "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_bias",
-           "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "project", "project_bf16",
+           "panel_gemm_bf16_cols", "panel_gemm_t", "panels", "products", "project", "project_bf16",
            "project_widened", "round_rows", "row_add", "row_add3", "row_copy", "row_dots",
            "row_round", "row_zero", "select", "settle", "sigmoid", "spread", "tanh",
            "team_arrive", "team_leave", "team_wait", "tile_settings", "widen", "widen_f16",

@@ -30,6 +30,10 @@ panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intri
     like     any scalar of the data's dtype (float32 or float64): picks the precision
     All three are of that dtype; C must not overlap A or the panels.
 
+panel_gemm_free(a, lda, rows, b, ldb, npanels, c, ldc, k, like), panel_gemm_free_cols(...)
+    panel_gemm with B (k, npanels * 16) in place, row stride ldb, unit column stride
+    (batched.py); _cols reads A[r, kk] at a[kk * lda + r] (dG^T as dG is stored).
+
 panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Numba function)
     The same product stored transposed, over any number of panels (T_PANELS at a time):
     C (npanels * PANEL, rows), row stride ldc >= rows, element (r, j) at c[j * ldc + r].
@@ -54,7 +58,7 @@ from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
 __all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "dot_rows", "panel_gemm",
-           "panel_gemm_for", "panel_gemm_t", "panels_per_tile", "row_dots", "rows_for",
+           "panel_gemm_for", "panel_gemm_free", "panel_gemm_free_cols", "panel_gemm_t", "panels_per_tile", "row_dots", "rows_for",
            "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
@@ -132,9 +136,11 @@ def _groups(npanels, most):
 
 
 def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, transposed,
-               single):
+               single, a_by_columns=False, b_in_place=False):
     """The tile's body: C[rows, group*16] = A[rows, k] @ [panel_0 .. panel_{group-1}], into
-    `builder`'s function; the seven arguments are intp addresses and element counts."""
+    `builder`'s function; the seven arguments are intp addresses and element counts.
+    a_by_columns: A[r, k] at a[k * lda + r]; b_in_place: the panels are B's own columns,
+    row k of panel j at panel[k * pstride + j * 16] (pstride: B's row stride)."""
     intp = a.type
     lanes = VECTOR_BITS // (32 if single else 64)
     vectors = PANEL // lanes
@@ -159,14 +165,16 @@ def _emit_tile(builder, a, lda, panel, pstride, c, ldc, k, *, rows, group, trans
         """The FMAs of one k into the s-th partial sums."""
         b = []
         for j in range(group):
-            row = builder.gep(b_ptr, [builder.add(builder.mul(kk, const(PANEL)),
-                                                  builder.mul(const(j), pstride))])
+            row = builder.gep(b_ptr, [
+                builder.add(builder.mul(kk, pstride), const(j * PANEL)) if b_in_place else
+                builder.add(builder.mul(kk, const(PANEL)), builder.mul(const(j), pstride))])
             b += [builder.load(builder.bitcast(builder.gep(row, [const(v * lanes)]),
                                                vec.as_pointer()), align=1)
                   for v in range(vectors)]
         for r in range(rows):
-            a_rk = builder.load(builder.gep(a_ptr, [builder.add(builder.mul(const(r), lda),
-                                                                kk)]))
+            a_rk = builder.load(builder.gep(a_ptr, [
+                builder.add(builder.mul(kk, lda), const(r)) if a_by_columns else
+                builder.add(builder.mul(const(r), lda), kk)]))
             a_vec = builder.shuffle_vector(
                 builder.insert_element(undef, a_rk, ir.Constant(ir.IntType(32), 0)),
                 undef, splat)
@@ -217,12 +225,14 @@ def _function(module, name, intp, nargs, emit):
 
 
 def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, dtype,
-                       itemsize, transposed, tile, a_by_columns=False, bias=None):
+                       itemsize, transposed, tile, a_by_columns=False, bias=None,
+                       b_in_place=False):
     """The whole product (this file's and bf16.py's): panels in balanced groups, rows in
     balanced tiles (20 rows: 4 x 5, not 6+6+6+2 with a thin tail), each a call of
     tile(height, group); `itemsize`: bytes of A's, the panels' and C's elements;
     `a_by_columns`: A stored transposed; `bias` (address, element stride between the
-    panels' bias rows): each tile also gets its group's first bias row and the stride."""
+    panels' bias rows): each tile also gets its group's first bias row and the stride;
+    `b_in_place`: the panels are B's columns (_emit_tile), pstride B's row stride."""
     intp = a.type
     const = functools.partial(ir.Constant, intp)
     fn = builder.function
@@ -231,8 +241,9 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
         most = tile_height(dtype, group)
         tiles = builder.udiv(builder.add(rows, const(most - 1)), const(most))
         done = cgutils.alloca_once_value(builder, const(0))
-        group_panel = builder.add(panel, builder.mul(builder.mul(const(first), pstride),
-                                                     const(itemsize)))
+        group_panel = builder.add(panel, builder.mul(
+            const(first * PANEL) if b_in_place else builder.mul(const(first), pstride),
+            const(itemsize)))
         # The group's first column of C, or with `transposed` its first row of C^T.
         group_c = builder.add(c, builder.mul(const(first * PANEL * itemsize),
                                              ldc if transposed else const(1)))
@@ -262,17 +273,26 @@ def emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npan
 
 
 def _emit_gemm(builder, a, lda, rows, panel, pstride, c, ldc, k, *, npanels, transposed,
-               single, itemsize):
+               single, itemsize, a_by_columns=False, b_in_place=False):
     """emit_tiled_product over this file's float tiles (_emit_tile)."""
+    form = _form(transposed, a_by_columns, b_in_place)
+
     def tile(h, group):
         return _function(builder.module,
-                         f"fusedrnn_tile{h}x{group}{'t' if transposed else ''}_"
-                         f"{'f32' if single else 'f64'}_{VECTOR_BITS}", a.type, 7,
+                         f"fusedrnn_tile{h}x{group}{form}_{'f32' if single else 'f64'}_"
+                         f"{VECTOR_BITS}", a.type, 7,
                          functools.partial(_emit_tile, rows=h, group=group,
-                                           transposed=transposed, single=single))
+                                           transposed=transposed, single=single,
+                                           a_by_columns=a_by_columns, b_in_place=b_in_place))
     emit_tiled_product(builder, a, lda, rows, panel, pstride, c, ldc, k, npanels=npanels,
                        dtype=np.float32 if single else np.float64, itemsize=itemsize,
-                       transposed=transposed, tile=tile)
+                       transposed=transposed, tile=tile, a_by_columns=a_by_columns,
+                       b_in_place=b_in_place)
+
+
+def _form(transposed, a_by_columns, b_in_place):
+    """A product form's letters in its functions' names (one module may hold several)."""
+    return "t" * transposed + "c" * a_by_columns + "i" * b_in_place
 
 
 def panel_count(name, integers, npanels):
@@ -287,8 +307,9 @@ def panel_count(name, integers, npanels):
     return count
 
 
-def _gemm_intrinsic(transposed):
-    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t: module docstring)."""
+def _gemm_intrinsic(transposed, a_by_columns=False, b_in_place=False):
+    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t, panel_gemm_free:
+    module docstring)."""
 
     @intrinsic
     def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
@@ -308,12 +329,12 @@ def _gemm_intrinsic(transposed):
                     for i in (0, 1, 2, 3, 4, 6, 7, 8)]
             intp = ints[0].type
             # its own function, never inlined (nor its tiles: module docstring)
-            name = (f"fusedrnn_gemm{count}{'t' if transposed else ''}_"
+            name = (f"fusedrnn_gemm{count}{_form(transposed, a_by_columns, b_in_place)}_"
                     f"{'f32' if single else 'f64'}_{VECTOR_BITS}_"
                     f"{'_'.join(map(str, heights))}")
             fn = _function(builder.module, name, intp, 8, functools.partial(
                 _emit_gemm, npanels=count, transposed=transposed, single=single,
-                itemsize=itemsize))
+                itemsize=itemsize, a_by_columns=a_by_columns, b_in_place=b_in_place))
             builder.call(fn, ints)
             return context.get_dummy_value()
 
@@ -326,6 +347,9 @@ def _gemm_intrinsic(transposed):
 # cells, and a pickled intrinsic differs in every process (a new cache file each).
 panel_gemm = _gemm_intrinsic(False)
 _panel_gemm_t = _gemm_intrinsic(True)
+# B read in place (no packing), A by rows or by columns: batched.py
+panel_gemm_free = _gemm_intrinsic(False, b_in_place=True)
+panel_gemm_free_cols = _gemm_intrinsic(False, a_by_columns=True, b_in_place=True)
 
 
 @intrinsic
