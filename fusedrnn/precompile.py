@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from . import cpu
 from .config import CELLS, MODES, PRECISIONS
 from .cpu import _own_product, fused, warm
 from .cpu.fused import FUSED_INPUT_ROWS, own_gemm
@@ -32,7 +33,10 @@ from .op import RNN, rnn_backward
 # The serial/parallel bounds (cpu/fused.py, lowlevel): the replay sets them each way in turn.
 _BOUNDS = (("fused", ("SERIAL_WORK", "SERIAL_LOOP_WORK", "SERIAL_LOOP_BYTES",
                       "SERIAL_POINTWISE")),
-           ("lowlevel.gemm", ("SERIAL_WORK",)), ("lowlevel.packing", ("SERIAL_ELEMENTS",)))
+           ("lowlevel.gemm", ("SERIAL_WORK",)), ("lowlevel.packing", ("SERIAL_ELEMENTS",)),
+           ("lowlevel.batched", ("SERIAL_WORK",)))
+# (a single step's products go together at every size in the replay: its small calls too)
+_TOGETHER = {"STEP_PRODUCTS_WORK": -1, "STEP_PRODUCTS_MOST": 1 << 62}
 
 
 _SHIPPED = {}
@@ -55,6 +59,9 @@ def replay(kernels: warm.KernelSet):
     team = fused.TEAM
     # (a process without a team, FUSEDRNN_TEAM=0, fills the cache for those with one too)
     shares = team if team is not None else _own_team()
+    shipped = {name: getattr(cpu, name) for name in _TOGETHER}
+    for name, value in _TOGETHER.items():
+        setattr(cpu, name, value)
     try:
         # every parallel build (Numba's layer, then a team's shares: a torch program
         # launches the former), then every serial one
@@ -70,6 +77,8 @@ def replay(kernels: warm.KernelSet):
     finally:
         _set_bounds(None)
         fused.TEAM = team
+        for name, value in shipped.items():
+            setattr(cpu, name, value)
 
 
 @functools.cache

@@ -11,12 +11,12 @@ from . import jitcache, threads  # noqa: F401  (threads picks a thread-safe Numb
 
 jitcache.install()   # before any kernel module: their cached kernels must see our locators
 # isort: split
-from . import warm  # noqa: E402
+from . import fused, warm  # noqa: E402  (fused.TEAM read at each call: precompile swaps it)
 from .cells import cell_kernels  # noqa: E402
 from .firsttier import FirstTierBackend  # noqa: E402
 from .fused import fused_layer, own_gemm  # noqa: E402
 from .heap import raise_mmap_threshold  # noqa: E402
-from .lowlevel import (  # noqa: E402  # noqa: E402
+from .lowlevel import (  # noqa: E402
     CHUNK,
     HAS_BF16,
     PANEL,
@@ -34,7 +34,6 @@ from .lowlevel import (  # noqa: E402  # noqa: E402
     widen,
     widen_f16,
 )
-from .team import TEAM  # noqa: E402
 
 __all__ = ["CpuBackend", "BACKEND"]
 
@@ -213,7 +212,7 @@ class CpuBackend:
         region of the micro-kernel (lowlevel/batched.py): 2-D arrays of `dtype` with unit
         column strides, no out overlapping an input."""
         rows, items, work = job_rows(jobs, dtype)
-        products(rows, items, dtype.type(0), work, TEAM)
+        products(rows, items, dtype.type(0), work, fused.TEAM)
 
     @staticmethod
     def astype(array, dtype, out=None):

@@ -257,8 +257,8 @@ def test_the_calls_after_the_background_compile_run_fused(tmp_path):
 @pytest.mark.exhaustive
 def test_compile_ahead_leaves_nothing_to_compile(tmp_path):
     """`python -m fusedrnn compile --modes lstm`: a later process's LSTM calls at other
-    sizes, layers, directions, lengths and T=1, in a numpy program and in a torch one,
-    compile nothing."""
+    sizes, layers, directions, lengths and T=1 (a step's products together too), in a
+    numpy program and in a torch one, compile nothing."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "fusedrnn", "compile", "--modes", "lstm"],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -279,7 +279,8 @@ def test_compile_ahead_leaves_nothing_to_compile(tmp_path):
         rng = np.random.default_rng(1)
         for T, N, L, D, I, H, P in ((1, 1, 1, False, 5, 16, None), (7, 3, 2, True, 24, 40, None),
                                     (40, 8, 3, False, 9, 32, None), (1, 33, 2, True, 7, 16, None),
-                                    (6, 4, 2, True, 5, 8, 3), (1, 2, 1, False, 5, 8, 3)):
+                                    (6, 4, 2, True, 5, 8, 3), (1, 2, 1, False, 5, 8, 3),
+                                    (1, 64, 1, False, 256, 256, None)):   # (products together)
             kw = dict(mode="lstm", state_size=H, num_layers=L, bidirectional=D,
                       projection_size=P)
             x = rng.standard_normal((T, N, I)).astype(np.float32)
@@ -289,7 +290,7 @@ def test_compile_ahead_leaves_nothing_to_compile(tmp_path):
                                        use_sequence_length=True, lstm_state_clip_min=-1.0,
                                        lstm_state_clip_max=1.0)
             fusedrnn.rnn_backward(handle, np.ones_like(out))
-        assert fusedrnn.cache_info().backends == {"cpu": 6}, fusedrnn.cache_info()
+        assert fusedrnn.cache_info().backends == {"cpu": 7}, fusedrnn.cache_info()
         assert not compiled, compiled
     """)
     for program in ("numpy", "torch"):
