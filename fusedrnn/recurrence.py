@@ -565,10 +565,10 @@ class RecurrentOp:
         w_grads = ((b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x")),
                    (dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
                     lay.view(g_params, layer, d, "W_h")))
+        gemm = self._gemm
         if jobs is not None:
             jobs += [(a, w, out, True) for a, w, out in w_grads]
         else:
-            gemm = self._gemm
             gemm(b, *w_grads[0], transpose_a=True)
             gemm(b, *w_grads[1], transpose_a=True, a_again=not cell.split_gate_grads)
         if proj:
@@ -649,6 +649,8 @@ class StepDriver:
                            jobs=None):
         """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (the backend's
         GEMM). Returns whether b.dh_carry holds a part of dh_0. (jobs: FusedDriver's.)"""
+        if jobs is not None:
+            raise ValueError("StepDriver.direction_backward: no products to defer, got jobs")
         op = self.op
         xp, cfg, T, N, lay = op.xp, op.config, op.T, op.N, op.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
@@ -782,8 +784,8 @@ class FusedDriver:
                             b.dh_carry, b.dc_carry, self._backward_views(b),
                             *self._tail(opts))
         first = 0 if d == 0 else T - 1
-        # (the backend's GEMM, as the op's others: at T=1 a whole step's product, which
-        # the call's one BLAS thread would run alone)
+        # (the backend's GEMM, as the op's others: at T=1 a whole step's product; with
+        # `jobs`, in one region with the layer's other products)
         dg_first = (dgh3 if split else dgx3)[first, :, d * GH:(d + 1) * GH]
         if jobs is not None:
             jobs.append((dg_first, w_h, b.dh_first[d], False))

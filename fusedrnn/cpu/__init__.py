@@ -20,6 +20,7 @@ from .lowlevel import (  # noqa: E402
     CHUNK,
     HAS_BF16,
     PANEL,
+    VECTOR_BITS,
     interleave_rows,
     job_rows,
     narrow,
@@ -51,7 +52,8 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
-# multiply-adds (fewer lost to BLAS's one by one) up to STEP_PRODUCTS_MOST (more: to BLAS in parts).
+# multiply-adds (at fewer one BLAS thread's products won) up to STEP_PRODUCTS_MOST (past
+# it BLAS in parts won), with 512-bit tiles (the only width measured).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
 STEP_PRODUCTS_WORK = 1 << 21
 STEP_PRODUCTS_MOST = 1 << 28
@@ -200,11 +202,11 @@ class CpuBackend:
     @staticmethod
     def step_products(dtype, work):
         """Whether a single step's backward products (`work` multiply-adds in all) go to
-        `products` together: in a numpy program, where the micro-kernel runs `dtype`,
+        `products` together: in a numpy program, float32 or float64 on 512-bit tiles,
         between the STEP_PRODUCTS_ bounds (a torch program's stay on its pool).
         Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region"""
-        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and \
-            TORCH_CALLER.get() is None and own_gemm(dtype)
+        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and VECTOR_BITS == 512 and \
+            dtype in (np.float32, np.float64) and TORCH_CALLER.get() is None
 
     @staticmethod
     def products(jobs, dtype):

@@ -25,7 +25,7 @@ import fusedrnn
 import fusedrnn.cpu as cpu
 from fusedrnn.config import CELLS, RNNConfig
 from fusedrnn.cpu import CpuBackend, fused
-from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer, own_gemm
+from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
 from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
 from fusedrnn.cpu.threads import KERNEL_OPTIONS
 from fusedrnn.recurrence import NEXT, PREV
@@ -278,8 +278,8 @@ def test_op_single_step_matches_generic_path(monkeypatch, build, mode, dtype, H,
         lambda jobs, dtype: together.append(len(jobs)) or real_products(jobs, dtype)))
     fused, generic = fused_and_generic(monkeypatch, case, kw, heads, **options)
     assert len(calls) == 2 * 2 * 2    # (inference + training) x layers x directions
-    # (dh_0, dW_x and dW_h per direction, then dx) x layers, where the micro-kernel runs dtype
-    assert together == ([2 * 3 + 1] * 2 if own_gemm(dtype) else [])
+    # (dh_0, dW_x and dW_h per direction, then dx) x layers, on 512-bit tiles
+    assert together == ([2 * 3 + 1] * 2 if VECTOR_BITS == 512 else [])
     assert not any(np.isnan(a).any() for a in generic if a is not None)
     assert_same(fused, generic, TOL[dtype])
 
@@ -288,8 +288,7 @@ def test_op_single_step_matches_generic_path(monkeypatch, build, mode, dtype, H,
 @pytest.mark.parametrize("mode", ["lstm", "gru"])   # (split gate gradients: GRU's dgh)
 def test_a_single_steps_products_go_together_past_a_bound(monkeypatch, mode, dtype):
     """Past STEP_PRODUCTS_WORK a T=1 backward's products run in one region per layer, with
-    the gradients of the products one by one (below it, past STEP_PRODUCTS_MOST, and in a
-    torch program)."""
+    the gradients of the products one by one (the rule's other cases: test_backend)."""
     case, kw, heads = make_case(mode, T=1, N=9, I=I, H=40, L=2, D=2, dtype=dtype, seed=5)
     calls, real = [], CpuBackend.products
     monkeypatch.setattr(CpuBackend, "products", staticmethod(
@@ -300,7 +299,7 @@ def test_a_single_steps_products_go_together_past_a_bound(monkeypatch, mode, dty
         monkeypatch.setattr(cpu, "STEP_PRODUCTS_MOST", 1 << 62)
         fusedrnn.clear_cache()
         grads.append(_run(case, kw, heads, {})[-4:])
-    assert calls == ([2 * 3 + 1] * 2 if own_gemm(dtype) else [])
+    assert calls == ([2 * 3 + 1] * 2 if VECTOR_BITS == 512 else [])
     for together, one_by_one in zip(*grads, strict=True):
         if together is not None:
             assert rel_err(together, one_by_one) <= TOL[dtype]

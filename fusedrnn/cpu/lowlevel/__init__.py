@@ -19,6 +19,8 @@ Words, each in one sense here and in fused.py:
     block tile   fused.py's per-block scratch (`tiles`): one 256-wide row per sample
                  holding a block's gates, states and record while the cell runs
     spill        gemm's scratch for the partial last panel of the input projection
+    strip        batched.py's: B's columns of one work item, read in place (the _free
+                 forms: B's own columns as panels) or packed as panels
     row          up to 16 contiguous elements of one sample (rows.py); A's rows and ROWS
                  count samples; pack_recurrent_rows packs W_h's columns for dg @ W_h
 
@@ -64,7 +66,8 @@ from .workshare import (
 )
 
 __all__ = ["CHUNK", "HAS_BF16", "IDLE", "LINE", "PANEL", "POSTED", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
-           "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "job_rows", "narrow",
+           "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "job_rows",
+           "narrow",
            "narrow_f16", "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
            "pack_k_pairs", "pack_pairs", "pack_panel", "pack_recurrent", "pack_recurrent_pairs",
            "pack_recurrent_rows", "panel_gemm", "panel_gemm_bf16", "panel_gemm_bf16_bias",

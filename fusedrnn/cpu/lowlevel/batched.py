@@ -11,7 +11,7 @@ products(jobs, items, like, work, team=None)
            K, by_columns, first item], addresses and element strides of
            A (M, K), or by_columns A^T's storage (K, M): A[r, k] at a[k * lda + r]
            B (K, C) and C (M, C), unit column strides; C every element written, no C
-           overlapping any job's A or B
+           overlapping any job's A, B or other C
     like   a scalar of the dtype (float32 or float64) of every A, B and C
     team   team.Team, or None: Numba's layer (under LAUNCH_LOCK), or serial when small
 """
@@ -24,12 +24,15 @@ import numpy as np
 from numba import prange
 
 from ..threads import KERNEL_OPTIONS, LAUNCH_LOCK, parallel_and_serial, pick, serial_only
+from .mathfn import zero_like
 from .microkernel import (
     PANEL,
+    _groups,
     _itemsize,
     panel_gemm,
     panel_gemm_free,
     panel_gemm_free_cols,
+    panels_per_tile,
     tile_height,
 )
 from .rows import row_copy
@@ -38,19 +41,20 @@ from .workshare import claim, finish, team_arrive, team_leave
 __all__ = ["JOB", "job_rows", "products"]
 
 JOB = 11
-# Rows of C per work item (the tiles' heights divide it); panels per item (the widest tile)
+# Rows of C per work item (the tiles' heights divide it), and panels per item
 ITEM_ROWS = 96
 QUAD = 4
 # Up to this many multiply-adds in all, one thread runs every job (a launch, a sleeping
 # helper's wake, cost more).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
 SERIAL_WORK = 1 << 21
-# Rows past one tile read B's strip once per tile: in place it stayed cached up to PACK_K
-# and PACK_ROWS; past either each item packs it first (a longer strided strip missed L2).
+# Rows past one tile (_TILES: the tallest of QUAD panels' tiles) read B's strip once per
+# tile: in place it stayed cached up to PACK_K and PACK_ROWS; past either it is packed.
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
 PACK_K = 512
 PACK_ROWS = 64
-_TILES = (tile_height(np.float32, QUAD), tile_height(np.float64, QUAD))
+_TILES = tuple(tile_height(t, max(_groups(QUAD, panels_per_tile(t))))
+               for t in (np.float32, np.float64))
 
 
 @nb.njit(inline="always")
@@ -75,9 +79,13 @@ def job_rows(products, dtype):
     for j, (a, b, c, by_columns) in enumerate(products):
         for x in (a, b, c):
             if x.dtype != dtype or x.ndim != 2 or x.size and (
-                    x.strides[1] != dtype.itemsize or x.strides[0] < 0):   # (empty: any)
+                    x.strides[1] != dtype.itemsize or x.strides[0] < 0):
                 raise ValueError(f"job_rows: 2-D {dtype} arrays with unit column strides "
                                  f"expected, got {x.dtype} of strides {x.strides}")
+        if (a.shape[::-1] if by_columns else a.shape) + b.shape[1:] != c.shape[:1] + b.shape \
+                or b.shape[1] != c.shape[1]:
+            raise ValueError(f"job_rows: (M, K) @ (K, C) -> (M, C) expected, got "
+                             f"{a.shape}{'^T' if by_columns else ''} @ {b.shape} -> {c.shape}")
         first, work = _fill(jobs[j], a, b, c, by_columns, first, work)
     return jobs, first, work
 
@@ -160,7 +168,7 @@ def _tail_columns(a, lda, rows, b, ldb, width, c, ldc, K, by_columns, like):
     """C[:, :width] = A @ B[:, :width], width < 16: through a zero-padded panel and a spill
     (a panel read in place would pass B's last row)."""
     size = _itemsize(like)
-    panel = np.full((max(K, 1), PANEL), like * 0)
+    panel = np.full((max(K, 1), PANEL), zero_like(like))
     spill = np.empty((rows, PANEL), panel.dtype)
     for k in range(K):
         row_copy(panel.ctypes.data + k * PANEL * size, b + k * ldb * size, width, like)

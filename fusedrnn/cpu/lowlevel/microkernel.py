@@ -58,7 +58,8 @@ from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
 __all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "dot_rows", "panel_gemm",
-           "panel_gemm_for", "panel_gemm_free", "panel_gemm_free_cols", "panel_gemm_t", "panels_per_tile", "row_dots", "rows_for",
+           "panel_gemm_for", "panel_gemm_free", "panel_gemm_free_cols", "panel_gemm_t",
+           "panels_per_tile", "row_dots", "rows_for",
            "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
@@ -308,12 +309,13 @@ def panel_count(name, integers, npanels):
 
 
 def _gemm_intrinsic(transposed, a_by_columns=False, b_in_place=False):
-    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t, panel_gemm_free:
-    module docstring)."""
+    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t, panel_gemm_free,
+    panel_gemm_free_cols: module docstring)."""
 
     @intrinsic
     def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
-        count = panel_count("panel_gemm", (a, lda, rows, panel, pstride, c, ldc, k), npanels)
+        count = panel_count(f"panel_gemm{_form(transposed, a_by_columns, b_in_place)}",
+                            (a, lda, rows, panel, pstride, c, ldc, k), npanels)
         if count is None or like not in (types.float32, types.float64):
             return None
         single = like == types.float32

@@ -38,10 +38,16 @@ SHAPES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def team():
+    """One team for the module (its helpers live as long as the process)."""
+    return Team()
+
+
 @pytest.fixture(params=["team", "layer", "serial"])
-def run(request, monkeypatch):
+def run(request, monkeypatch, team):
     """products(...) on a team of our own, on Numba's layer, or its serial build."""
-    team = Team() if request.param == "team" else None
+    team = team if request.param == "team" else None
     if request.param == "serial":
         monkeypatch.setattr(module, "SERIAL_WORK", 1 << 62)
     else:
@@ -62,28 +68,38 @@ def test_products_match_float64_reference(run, dtype, shapes):
         assert (np.abs(out - ref) <= TOL[dtype] * scale).all()
 
 
-def test_nothing_past_each_output_is_written():
+def test_nothing_past_each_output_is_written(monkeypatch, team):
     """The outputs' neighbours in their larger arrays stay NaN (the partial panels' columns
     go through a spill)."""
+    monkeypatch.setattr(module, "SERIAL_WORK", -1)   # (on the team, whatever the size)
     rng = np.random.default_rng(7)
     jobs, _ = _jobs(rng, np.float32, SHAPES[1])
     bases = [out.base for _, _, out, _ in jobs]
     rows, items, work = job_rows(jobs, np.dtype(np.float32))
-    products(rows, items, np.float32(0), work, Team())
+    products(rows, items, np.float32(0), work, team)
     for base, (_, _, out, _) in zip(bases, jobs, strict=True):
         assert np.isnan(base[:, 0]).all() and np.isnan(base[:, -1]).all()
         assert np.isfinite(out).all()
 
 
-@pytest.mark.parametrize("bad", ["dtype", "column stride", "reversed rows"])
+@pytest.mark.parametrize("bad", ["dtype", "column stride", "reversed rows", "k", "columns",
+                                 "rows of A^T"])
 def test_job_rows_refuses_what_the_kernel_cannot_read(bad):
     a, b = np.ones((4, 8), np.float32), np.ones((8, 16), np.float32)
-    out = np.empty((4, 16), np.float32)
+    out, by_columns = np.empty((4, 16), np.float32), False
     if bad == "dtype":
         b = b.astype(np.float64)
     elif bad == "column stride":
         a = np.ones((4, 16), np.float32)[:, ::2]
-    else:
+    elif bad == "reversed rows":
         a = a[::-1]
-    with pytest.raises(ValueError, match="unit column strides expected"):
-        job_rows([(a, b, out, False)], np.dtype(np.float32))
+    elif bad == "k":
+        b = np.ones((9, 16), np.float32)
+    elif bad == "columns":
+        out = np.empty((4, 17), np.float32)
+    else:   # A^T's storage (K, M) read as (M, K)
+        by_columns = True
+    match = "unit column strides" if bad in ("dtype", "column stride", "reversed rows") \
+        else r"\(M, K\) @ \(K, C\)"
+    with pytest.raises(ValueError, match=match):
+        job_rows([(a, b, out, by_columns)], np.dtype(np.float32))
