@@ -316,7 +316,8 @@ def _tile_loops(asm, fmas=8):
                     reason="reads x86-64 asm; the property is about x86's 16 general registers")
 @pytest.mark.parametrize("kernel", ["projection", "projection float64", "fused forward",
                                     "fused forward lstm", "fused forward gru float64",
-                                    "fused single step lstm", "fused forward bf16 lstm"])
+                                    "fused single step lstm", "fused forward bf16 lstm",
+                                    "batched", "batched float64"])
 def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
@@ -351,6 +352,18 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
         dispatcher, signature = next(
             (d, s) for d in (gemm._project, gemm._project_serial) for s in d.signatures
             if s[0].dtype == nb.from_dtype(dtype))
+    elif kernel.startswith("batched"):   # B in place, A by rows and by columns (T=1's backward)
+        from fusedrnn.cpu.lowlevel import batched
+        dtype = np.dtype(np.float64 if kernel.endswith("float64") else np.float32)
+        a, b = rng.standard_normal((2, 8, 40)).astype(dtype), rng.standard_normal((40, 64))
+        x = rng.standard_normal((8, 64)).astype(dtype)
+        c1, c2 = np.full((8, 64), np.nan, dtype), np.full((40, 64), np.nan, dtype)
+        jobs = [(a[0], b.astype(dtype), c1, False), (a[1], x, c2, True)]
+        batched.products(*batched.job_rows(jobs, dtype)[:2], dtype.type(0), 0)   # (serial)
+        np.testing.assert_allclose(c2, a[1].T @ x, rtol=1e-5, atol=1e-5)
+        dispatcher, signature = next((batched._products_serial, s) for s in
+                                     batched._products_serial.signatures
+                                     if s[2] == nb.from_dtype(dtype))
     elif kernel.startswith("fused single step"):   # the transposed and dot tiles (T=1)
         launch_fused("lstm", np.float32, 1)
         dispatcher = fused.fused_layer("lstm", np.float32)._forward_single_serial
