@@ -1,7 +1,7 @@
 """The blocks of each time step shared among one parallel region's workers.
 
-One parallel region per call of the fused loops, not one per step (a launch costs tens
-of microseconds even when empty): each worker walks every step, takes blocks of it, and
+One parallel region per call of the fused loops, not one per step (an empty launch cost
+more than a small step's work): each worker walks every step, takes blocks of it, and
 waits at the step's end until all its blocks are done.
 Measured: bench/results/cpu-kernel-notes.md#workshare-one-region-per-call
 
