@@ -63,7 +63,9 @@ def _gflops(case, times, peer, ceiling):
 def ceiling_lines(ceilings):
     lines = []
     for dtype, by_lib in ceilings.items():
-        others = ", ".join(f"{k} {v:.0f}" for k, v in by_lib.items() if k not in ("best", "by"))
+        others = ", ".join([f"{k} {v:.0f}" for k, v in by_lib.items()
+                            if k not in ("best", "by", "unavailable")]
+                           + [f"{k} unavailable" for k in by_lib.get("unavailable", ())])
         lines.append(f"GEMM ceiling {dtype} (same run): {by_lib['best']:.0f} GFLOP/s "
                      f"({by_lib['by']}; {others})")
     return lines

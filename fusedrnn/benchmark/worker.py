@@ -78,20 +78,27 @@ class Session:
         raise ValueError(f"unknown action {action!r}")
 
 
-def gemm_ceilings(device, repeats=5):
+def gemm_ceilings(device, repeats=5, n=None):
     """{dtype: {"best": GFLOP/s, "by": library, library: GFLOP/s, ...}}: the fastest GEMM
     this process can reach per dtype. On the CPU the float32 and bfloat16 ceilings are
     oneDNN's (torch's mkldnn Linear), which is about twice MKL's torch.mm and numpy's
     OpenBLAS on AMD (they are listed beside it); float64 has no oneDNN path, so numpy's
-    and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy."""
+    and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy. A library that
+    cannot run a dtype on this CPU is listed under "unavailable" with its error's last line
+    (oneDNN's bfloat16 without AVX-512)."""
     import numpy as np
-    n = 2048 if device.name == "cpu" else 8192
+    n = n or (2048 if device.name == "cpu" else 8192)
     rng = np.random.default_rng(1)
     flops = 2 * n ** 3
     found = {}
 
     def best(name, dtype, fn):
-        fn()
+        try:
+            fn()
+        except RuntimeError as error:   # (oneDNN's bfloat16 needs AVX-512 or AVX-NE-CONVERT)
+            found.setdefault(dtype, {}).setdefault("unavailable", {})[name] = \
+                str(error).strip().splitlines()[-1]
+            return
         seconds = min(device.time(fn) for _ in range(repeats))
         found.setdefault(dtype, {})[name] = flops / seconds / 1e9
 
@@ -115,7 +122,7 @@ def gemm_ceilings(device, repeats=5):
                     x = a.to_mkldnn()
                     best("oneDNN", dtype, lambda: linear(x))  # noqa: B023  (called in this iteration)
     for by_lib in found.values():
-        name = max(by_lib, key=by_lib.get)
+        name = max((k for k in by_lib if k != "unavailable"), key=by_lib.get)
         by_lib["best"], by_lib["by"] = by_lib[name], name
     return found
 

@@ -287,3 +287,26 @@ def test_a_variant_runs_in_its_own_process():
     from fusedrnn.benchmark.processes import alternate
     times = alternate("fusedrnn.benchmark.compiled", ("eager",), 1, "tagger")
     assert list(times) == ["eager"] and len(times["eager"]) == 1 and times["eager"][0] > 0
+
+
+def test_a_ceiling_this_cpu_cannot_run_is_listed_not_fatal(monkeypatch):
+    # oneDNN's bfloat16 Linear raises on a CPU without AVX-512 (Zen 3): the run goes on
+    # with the libraries that ran, and the header names the one that could not
+    mkldnn = pytest.importorskip("torch.utils.mkldnn")
+    from fusedrnn.benchmark.runner import Device
+    from fusedrnn.benchmark.worker import gemm_ceilings
+
+    def refuse(module, dtype):
+        def call(x):
+            raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx512bw")
+        return call
+    monkeypatch.setattr(mkldnn, "to_mkldnn", refuse)
+    found = gemm_ceilings(Device("cpu"), repeats=1, n=64)
+    for dtype in ("float32", "bfloat16"):
+        assert found[dtype]["unavailable"] == {
+            "oneDNN": "mkldnn_linear: bf16 path needs the cpu support avx512bw"}
+        assert found[dtype]["by"] == "torch.mm" or dtype == "float32"
+        assert found[dtype]["best"] == max(v for k, v in found[dtype].items()
+                                           if k not in ("best", "by", "unavailable"))
+    line = next(x for x in report.ceiling_lines(found) if "bfloat16" in x)
+    assert "oneDNN unavailable" in line and "torch.mm" in line
