@@ -8,7 +8,11 @@ import functools
 
 __all__ = ["BLOCK", "glibc", "raise_mmap_threshold"]
 
-BLOCK = 16 << 20   # under glibc's DEFAULT_MMAP_THRESHOLD_MAX, the most its dynamic threshold takes
+# Just under glibc's DEFAULT_MMAP_THRESHOLD_MAX (4 MiB per byte of a long), the most its
+# dynamic threshold takes; the trim threshold follows at twice it. At half that, an
+# encoder's neighbour still had its heap top trimmed every step.
+# Measured: bench/results/cpu-kernel-notes.md#torch-programs-the-neighbours-page-faults
+BLOCK = (4 << 20) * ctypes.sizeof(ctypes.c_long) - (64 << 10)
 
 
 @functools.cache
