@@ -20,7 +20,6 @@ from .lowlevel import (  # noqa: E402
     CHUNK,
     HAS_BF16,
     PANEL,
-    VECTOR_BITS,
     interleave_rows,
     job_rows,
     narrow,
@@ -53,8 +52,9 @@ OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
 # multiply-adds (at fewer one BLAS thread's products won) up to STEP_PRODUCTS_MOST (past
-# it BLAS in parts won), with 512-bit tiles (the only width measured).
-# Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
+# it BLAS in parts won), in the dtypes whose large products the micro-kernel wins (own_gemm).
+# Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
+# bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3
 STEP_PRODUCTS_WORK = 1 << 21
 STEP_PRODUCTS_MOST = 1 << 28
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
@@ -202,10 +202,10 @@ class CpuBackend:
     @staticmethod
     def step_products(dtype, work):
         """Whether a single step's backward products (`work` multiply-adds in all) go to
-        `products` together: in a numpy program, float32 or float64 on 512-bit tiles,
+        `products` together: in a numpy program, float32, or float64 on 512-bit tiles,
         between the STEP_PRODUCTS_ bounds (a torch program's stay on its pool).
         Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region"""
-        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and VECTOR_BITS == 512 and \
+        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
             dtype in (np.float32, np.float64) and TORCH_CALLER.get() is None
 
     @staticmethod
