@@ -77,7 +77,10 @@ def run(args):
     pool = runner.Pool(args.device)
     results = []
     try:
-        meta["ceilings"] = runner.ceilings(pool, "torch" if "torch" in peers else "fusedrnn")
+        # (the dtypes a case is reported in: the run's, and a case's own)
+        dtypes = sorted({args.dtype} | {c.dtype for c in todo if c.dtype})
+        meta["ceilings"] = runner.ceilings(pool, "torch" if "torch" in peers else "fusedrnn",
+                                           dtypes)
         for line in report.ceiling_lines(meta["ceilings"]):
             print(line)
         wall = meta["wall_s_per_group"] = {}

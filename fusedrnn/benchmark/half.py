@@ -56,7 +56,8 @@ def _ceiling(mode, train, dtype):
     (worker.gemm_ceilings: oneDNN's on the CPU, best of 5 of 2048^3)."""
     from .runner import Device
     from .worker import gemm_ceilings
-    return _flops(mode, train) / (gemm_ceilings(Device("cpu"))[dtype]["best"] * 1e9)
+    return _flops(mode, train) / (gemm_ceilings(Device("cpu"), dtypes=(dtype,))[dtype]["best"]
+                                  * 1e9)
 
 
 def _one(mode, peer, train, dtype, device):

@@ -227,14 +227,14 @@ def run_case(pool, case, dtype, peer_names, repeats, block_s=BLOCK_S):
     return times
 
 
-def ceilings(pool, peer):
-    """The machine's GEMM ceilings (worker.gemm_ceilings), measured in a process of their
-    own, closed after: they import torch, which in `peer`'s op worker would have set
+def ceilings(pool, peer, dtypes):
+    """The machine's GEMM ceilings in `dtypes` (worker.gemm_ceilings), measured in a process
+    of their own, closed after: they import torch, which in `peer`'s op worker would have set
     fusedrnn's threading layer to a torch program's (cpu/threads.py) for the numpy
     program it times."""
     worker = pool.get(peer, "ceiling")
     try:
-        return worker.ask(action="ceiling")["ceilings"]
+        return worker.ask(action="ceiling", dtypes=list(dtypes))["ceilings"]
     finally:
         pool.workers.pop((peer, "ceiling")).close()
 

@@ -9,7 +9,7 @@ else the process prints goes to stderr):
   {"action": "block"}     warm-in calls, then n timed back-to-back calls:
                           {"seconds": per call} (+ "neighbour": per call, train steps)
   {"action": "release"}   drops the callable and its arrays
-  {"action": "ceiling"}   {"ceilings": gemm_ceilings()}
+  {"action": "ceiling", "dtypes": [...]}   {"ceilings": gemm_ceilings(dtypes=...)}
   {"action": "quit"}
 """
 from __future__ import annotations
@@ -74,13 +74,19 @@ class Session:
         if action == "release":
             return self.release()
         if action == "ceiling":
-            return {"ceilings": gemm_ceilings(self.device)}
+            return {"ceilings": gemm_ceilings(self.device, dtypes=msg.get("dtypes", DTYPES))}
         raise ValueError(f"unknown action {action!r}")
 
 
-def gemm_ceilings(device, repeats=5, n=None):
+# The ceilings' dtypes, and a first call this slow (torch's bfloat16 mm without AVX512-BF16:
+# minutes for five) is timed once: a library that far below the others is no ceiling.
+DTYPES = ("float32", "float64", "bfloat16")
+SLOW_S = 2.0
+
+
+def gemm_ceilings(device, repeats=5, n=None, dtypes=DTYPES):
     """{dtype: {"best": GFLOP/s, "by": library, library: GFLOP/s, ...}}: the fastest GEMM
-    this process can reach per dtype. On the CPU the float32 and bfloat16 ceilings are
+    this process can reach in each of `dtypes`. On the CPU the float32 and bfloat16 ceilings are
     oneDNN's (torch's mkldnn Linear), which is about twice MKL's torch.mm and numpy's
     OpenBLAS on AMD (they are listed beside it); float64 has no oneDNN path, so numpy's
     and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy. A library that
@@ -94,15 +100,16 @@ def gemm_ceilings(device, repeats=5, n=None):
 
     def best(name, dtype, fn):
         try:
-            fn()
+            first = device.time(fn)
         except RuntimeError as error:   # (oneDNN's bfloat16 needs AVX-512 or AVX-NE-CONVERT)
             found.setdefault(dtype, {}).setdefault("unavailable", {})[name] = \
                 str(error).strip().splitlines()[-1]
             return
-        seconds = min(device.time(fn) for _ in range(repeats))
+        runs = repeats if first < SLOW_S else 1
+        seconds = min(device.time(fn) for _ in range(runs))
         found.setdefault(dtype, {})[name] = flops / seconds / 1e9
 
-    for dtype in ("float32", "float64"):
+    for dtype in [d for d in ("float32", "float64") if d in dtypes]:
         a = device.xp.asarray(rng.standard_normal((n, n)).astype(dtype))
         best("numpy" if device.name == "cpu" else "cupy", dtype, lambda: a @ a)  # noqa: B023  (called in this iteration)
     try:
@@ -111,7 +118,7 @@ def gemm_ceilings(device, repeats=5, n=None):
         torch = None
     if torch is not None:
         dev = device.torch_device
-        for dtype in ("float32", "float64", "bfloat16"):
+        for dtype in [d for d in DTYPES if d in dtypes]:
             a = torch.randn(n, n, dtype=getattr(torch, dtype), device=dev)
             with torch.no_grad():
                 best("torch.mm", dtype, lambda: torch.mm(a, a))  # noqa: B023  (called in this iteration)
