@@ -7,9 +7,9 @@ round.
     python -m fusedrnn.benchmark.half --device cuda --dtypes float16,bfloat16 --modes lstm,gru
 
 CPU: torch's bfloat16 (oneDNN), fusedrnn's bfloat16 and, beside them, fusedrnn in float32;
-and the ceiling (bfloat16): the grid's GEMM ceiling (worker.gemm_ceilings: oneDNN's mkldnn
-Linear, 2048^3, best of 5) in a process of its own, printed as the time the call's FLOPs
-would take at that rate, and each peer's fraction of it ("of the ceiling").
+and the ceiling (bfloat16): the grid's GEMM ceiling (worker.gemm_ceilings: the fastest
+2048^3 GEMM, usually oneDNN's mkldnn Linear) in a process of its own, printed as the time
+the call's FLOPs would take at that rate, and each peer's fraction of it ("of the ceiling").
 CUDA: cuDNN (torch.nn) in the dtype, fusedrnn as it runs by default (the persistent
 kernels' tensor-core products and the large GEMMs in half; set explicitly), and fusedrnn
 with both turned off (FUSEDRNN_GPU_TENSOR_CORES=0 FUSEDRNN_GPU_HALF_GEMMS=0: the float32
@@ -53,11 +53,13 @@ def _flops(mode, train):
 
 def _ceiling(mode, train, dtype):
     """Seconds the call's FLOPs take at the GEMM ceiling in `dtype`: the grid's
-    (worker.gemm_ceilings: oneDNN's on the CPU, best of 5 of 2048^3)."""
+    (worker.gemm_ceilings: the fastest 2048^3 GEMM on the CPU, usually oneDNN's)."""
     from .runner import Device
     from .worker import gemm_ceilings
-    return _flops(mode, train) / (gemm_ceilings(Device("cpu"), dtypes=(dtype,))[dtype]["best"]
-                                  * 1e9)
+    ceiling = gemm_ceilings(Device("cpu"), dtypes=(dtype,))[dtype]
+    if ceiling["best"] is None:
+        raise RuntimeError(f"no GEMM in {dtype} ran on this CPU: {ceiling['unavailable']}")
+    return _flops(mode, train) / (ceiling["best"] * 1e9)
 
 
 def _one(mode, peer, train, dtype, device):

@@ -66,6 +66,9 @@ def ceiling_lines(ceilings):
         others = ", ".join([f"{k} {v:.0f}" for k, v in by_lib.items()
                             if k not in ("best", "by", "unavailable")]
                            + [f"{k} unavailable" for k in by_lib.get("unavailable", ())])
+        if by_lib["best"] is None:
+            lines.append(f"GEMM ceiling {dtype} (same run): none ({others})")
+            continue
         lines.append(f"GEMM ceiling {dtype} (same run): {by_lib['best']:.0f} GFLOP/s "
                      f"({by_lib['by']}; {others})")
     return lines

@@ -78,20 +78,20 @@ class Session:
         raise ValueError(f"unknown action {action!r}")
 
 
-# The ceilings' dtypes, and a first call this slow (torch's bfloat16 mm without AVX512-BF16:
-# minutes for five) is timed once: a library that far below the others is no ceiling.
+# The ceilings' dtypes; a library whose first call takes SLOW_S or more (torch's bfloat16 mm
+# without AVX512-BF16) is timed by that call alone: repeats would add nothing but minutes.
 DTYPES = ("float32", "float64", "bfloat16")
 SLOW_S = 2.0
 
 
 def gemm_ceilings(device, repeats=5, n=None, dtypes=DTYPES):
     """{dtype: {"best": GFLOP/s, "by": library, library: GFLOP/s, ...}}: the fastest GEMM
-    this process can reach in each of `dtypes`. On the CPU the float32 and bfloat16 ceilings are
-    oneDNN's (torch's mkldnn Linear), which is about twice MKL's torch.mm and numpy's
-    OpenBLAS on AMD (they are listed beside it); float64 has no oneDNN path, so numpy's
-    and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy. A library that
-    cannot run a dtype on this CPU is listed under "unavailable" with its error's last line
-    (oneDNN's bfloat16 without AVX-512)."""
+    this process can reach in each of `dtypes`. On the CPU the float32 and bfloat16 ceilings
+    are usually oneDNN's (torch's mkldnn Linear; on Zen 4 and 5 about twice MKL's torch.mm
+    and numpy's OpenBLAS, which are listed beside it); float64 has no oneDNN path, so
+    numpy's and torch.mm's. On the GPU, cuBLAS through torch (TF32 off) and CuPy. A library
+    that cannot run a dtype on this CPU is listed under "unavailable" with its error's last
+    line (oneDNN's bfloat16 without AVX-512); where none could, best and by are None."""
     import numpy as np
     n = n or (2048 if device.name == "cpu" else 8192)
     rng = np.random.default_rng(1)
@@ -100,13 +100,12 @@ def gemm_ceilings(device, repeats=5, n=None, dtypes=DTYPES):
 
     def best(name, dtype, fn):
         try:
-            first = device.time(fn)
+            first = device.time(fn)   # (the warm-up too)
         except RuntimeError as error:   # (oneDNN's bfloat16 needs AVX-512 or AVX-NE-CONVERT)
-            found.setdefault(dtype, {}).setdefault("unavailable", {})[name] = \
-                str(error).strip().splitlines()[-1]
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            found.setdefault(dtype, {}).setdefault("unavailable", {})[name] = lines[-1]
             return
-        runs = repeats if first < SLOW_S else 1
-        seconds = min(device.time(fn) for _ in range(runs))
+        seconds = first if first >= SLOW_S else min(device.time(fn) for _ in range(repeats))
         found.setdefault(dtype, {})[name] = flops / seconds / 1e9
 
     for dtype in [d for d in ("float32", "float64") if d in dtypes]:
@@ -129,8 +128,9 @@ def gemm_ceilings(device, repeats=5, n=None, dtypes=DTYPES):
                     x = a.to_mkldnn()
                     best("oneDNN", dtype, lambda: linear(x))  # noqa: B023  (called in this iteration)
     for by_lib in found.values():
-        name = max((k for k in by_lib if k != "unavailable"), key=by_lib.get)
-        by_lib["best"], by_lib["by"] = by_lib[name], name
+        timed = [k for k in by_lib if k != "unavailable"]
+        name = max(timed, key=by_lib.get) if timed else None
+        by_lib["best"], by_lib["by"] = (by_lib[name] if timed else None), name
     return found
 
 

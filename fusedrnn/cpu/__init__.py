@@ -204,7 +204,7 @@ class CpuBackend:
         """Whether a single step's backward products (`work` multiply-adds in all) go to
         `products` together: in a numpy program, float32, or float64 on 512-bit tiles,
         between the STEP_PRODUCTS_ bounds (a torch program's stay on its pool).
-        Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region"""
+        Measured: bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3"""
         return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
             dtype in (np.float32, np.float64) and TORCH_CALLER.get() is None
 

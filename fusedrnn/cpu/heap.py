@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 
 __all__ = ["BLOCK", "glibc", "raise_mmap_threshold"]
 
-# Just under glibc's DEFAULT_MMAP_THRESHOLD_MAX (4 MiB per byte of a long), the most its
-# dynamic threshold takes; the trim threshold follows at twice it. At half that, an
-# encoder's neighbour still had its heap top trimmed every step.
+# Two pages under glibc's DEFAULT_MMAP_THRESHOLD_MAX, the most its dynamic threshold takes
+# (the mapped chunk, header and page rounding included, must not pass it); trim follows it.
 # Measured: bench/results/cpu-kernel-notes.md#torch-programs-the-neighbours-page-faults
-BLOCK = (4 << 20) * ctypes.sizeof(ctypes.c_long) - (64 << 10)
+BLOCK = ((32 << 20) if ctypes.sizeof(ctypes.c_long) == 8 else (512 << 10)) - 2 * mmap.PAGESIZE
 
 
 @functools.cache

@@ -63,14 +63,15 @@ def test_header_names_the_machine_and_its_ceilings(quick_run):
     stdout, doc, _ = quick_run
     assert re.search(r"on .*family \d+ model \d+, LLVM \w+", stdout)
     assert "loop timing" in stdout and "each peer in its own process" in stdout
-    # float32 alone: no selected case reports another dtype's share (bfloat16's torch.mm
-    # took minutes on a CPU without AVX512-BF16)
+    # float32 alone: no selected case reports another dtype's share (bfloat16's torch.mm is
+    # slow on a CPU without AVX512-BF16)
     assert set(doc["ceilings"]) == {"float32"}
     assert "GEMM ceiling bfloat16" not in stdout and "GEMM ceiling float64" not in stdout
     line = re.search(r"GEMM ceiling float32 \(same run\): (\d+) GFLOP/s \((\S+);", stdout)
     assert line and float(line.group(1)) > 0
     assert doc["ceilings"]["float32"]["best"] == max(
-        v for k, v in doc["ceilings"]["float32"].items() if k not in ("best", "by"))
+        v for k, v in doc["ceilings"]["float32"].items()
+        if k not in ("best", "by", "unavailable"))
     assert doc["ceilings"]["float32"]["by"] in doc["ceilings"]["float32"]
     assert "oneDNN" in doc["ceilings"]["float32"]  # torch is installed with the test extra
 
@@ -315,3 +316,26 @@ def test_a_ceiling_this_cpu_cannot_run_is_listed_not_fatal(monkeypatch):
                                            if k not in ("best", "by", "unavailable"))
     line = next(x for x in report.ceiling_lines(found) if "bfloat16" in x)
     assert "oneDNN unavailable" in line and "torch.mm" in line
+
+
+def test_a_slow_library_is_timed_by_its_first_call(monkeypatch):
+    # (torch's bfloat16 mm without AVX512-BF16 took most of a minute a call): one call each
+    from fusedrnn.benchmark import worker
+    from fusedrnn.benchmark.runner import Device
+
+    device, calls = Device("cpu"), []
+    real = device.time
+    monkeypatch.setattr(device, "time", lambda fn: calls.append(1) or real(fn))
+    monkeypatch.setattr(worker, "SLOW_S", 0.0)
+    found = worker.gemm_ceilings(device, repeats=3, n=32, dtypes=("float64",))
+    assert len(calls) == len(found["float64"]) - 2   # (less best and by: one call a library)
+    monkeypatch.setattr(worker, "SLOW_S", 1e9)
+    calls.clear()
+    found = worker.gemm_ceilings(device, repeats=3, n=32, dtypes=("float64",))
+    assert len(calls) == 4 * (len(found["float64"]) - 2)   # (the warm-up and 3 repeats)
+
+
+def test_a_dtype_no_library_could_run_has_no_ceiling():
+    line, = report.ceiling_lines({"bfloat16": {"unavailable": {"oneDNN": "needs avx512"},
+                                               "best": None, "by": None}})
+    assert line == "GEMM ceiling bfloat16 (same run): none (oneDNN unavailable)"
