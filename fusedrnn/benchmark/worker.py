@@ -79,7 +79,7 @@ class Session:
 
 
 # The ceilings' dtypes; a library whose first call takes SLOW_S or more (torch's bfloat16 mm
-# without AVX512-BF16) is timed by that call alone: repeats would add nothing but minutes.
+# without AVX512-BF16) is timed by that call alone: repeats would add only waiting.
 DTYPES = ("float32", "float64", "bfloat16")
 SLOW_S = 2.0
 

@@ -74,10 +74,15 @@ def test_cpu_autocast_bfloat16_runs_in_bfloat16_like_torch_nn(mode):
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(5, 3, 6)
     with torch.autocast("cpu", torch.bfloat16):
-        out_theirs, _ = theirs(x)
         out, state = ours(x)
+        try:
+            out_theirs, _ = theirs(x)
+        except RuntimeError as error:   # (oneDNN's bfloat16 LSTM: not on every CPU, as Zen 3)
+            assert name == "LSTM" and "primitive" in str(error), error
+            out_theirs = None
     assert out.dtype == torch.bfloat16
-    assert out_theirs.dtype == (torch.bfloat16 if name == "LSTM" else torch.float32)
+    if out_theirs is not None:
+        assert out_theirs.dtype == (torch.bfloat16 if name == "LSTM" else torch.float32)
     hy = state[0] if isinstance(state, tuple) else state
     assert hy.dtype == torch.bfloat16
     exact = getattr(torch.nn, name)(**kw, **extra).double()

@@ -75,10 +75,10 @@ def _target_vector_bits():
 
 
 def rows_for(vector_bits):
-    """Rows per one-panel tile, per dtype at a vector width (float64 at 256 bits: 6 rows
-    would need 24 of the 16 registers).
-    Measured: bench/results/cpu-kernel-notes.md#microkernel-vector-width-and-tile-heights"""
-    return {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if vector_bits == 512 else 3}
+    """Rows per one-panel tile, per dtype at a vector width (float64 at 256 bits: a panel
+    is four registers a row, and three rows spilled an accumulator of the sixteen).
+    Measured: bench/results/cpu-kernel-notes.md#microkernel-float64-on-256-bit-tiles-zen-3"""
+    return {np.dtype(np.float32): 6, np.dtype(np.float64): 6 if vector_bits == 512 else 2}
 
 
 # Read when a tile is compiled, and in jitcache.py's stamp: an override shares no code.
