@@ -78,8 +78,8 @@ class Session:
         raise ValueError(f"unknown action {action!r}")
 
 
-# The ceilings' dtypes; a library whose first call takes SLOW_S or more (torch's bfloat16 mm
-# without AVX512-BF16) is timed by that call alone: repeats would add only waiting.
+# The ceilings' dtypes; a library as slow as torch's bfloat16 mm without AVX512-BF16 is timed
+# by its first call alone: it is far from any ceiling, and repeats would only delay the run.
 DTYPES = ("float32", "float64", "bfloat16")
 SLOW_S = 2.0
 
