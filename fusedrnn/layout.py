@@ -21,6 +21,7 @@ __all__ = ["ParamLayout", "param_size", "param_layout"]
 
 WEIGHT_KINDS = ("W_x", "W_h", "W_r")
 BIAS_KINDS = ("b_x", "b_h")
+_CELL_BLOCKS = ("W_x", "W_h", "b_x", "b_h")   # ParamLayout.cell_views'
 _TORCH_NAMES = {"W_x": "weight_ih", "W_h": "weight_hh", "W_r": "weight_hr",
                 "b_x": "bias_ih", "b_h": "bias_hh"}
 
@@ -71,6 +72,19 @@ class ParamLayout:
         """A view (no copy) of one block of `flat`; works for numpy and CuPy arrays."""
         start, stop, shape = self._spans[(layer, direction, kind)]
         return flat[start:stop] if shape is None else flat[start:stop].reshape(shape)
+
+    @cached_property
+    def _cell_spans(self):
+        """_spans of W_x, W_h, b_x and b_h by (layer, direction): cell_views'."""
+        return {(layer, d): tuple(self._spans[layer, d, kind] for kind in _CELL_BLOCKS)
+                for layer, d, kind in self.blocks if kind == "W_x"}
+
+    def cell_views(self, flat, layer: int, direction: int):
+        """(W_x, W_h, b_x, b_h) of one layer direction: view's four in one call (a small
+        call's path takes them at every call)."""
+        (a, b, x_shape), (c, e, h_shape), (f, g, _), (i, j, _) = \
+            self._cell_spans[layer, direction]
+        return flat[a:b].reshape(x_shape), flat[c:e].reshape(h_shape), flat[f:g], flat[i:j]
 
     def views(self, flat) -> dict[tuple[int, int, str], object]:
         """Every block of `flat` as a view, keyed (layer, direction, kind)."""

@@ -123,6 +123,11 @@ class SingleStep(Protocol):
                        clip_lo, clip_hi, clip_flags) -> None:
         """forward at T=1 from the layer input x2d (N, K) and the raw W_x."""
 
+    def single_launcher(self, scratch, batch, input_size, state_size, x_dtype):
+        """forward_single on this scratch for these sizes, as a function of its other
+        arguments (x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, lengths, clip_lo, clip_hi,
+        clip_flags); a driver keeps one per layer."""
+
 
 @dataclass(frozen=True)
 class PrecisionPlan:
@@ -357,9 +362,10 @@ class RecurrentOp:
                      for a in arrays)
 
     # -- forward ----------------------------------------------------------------------
-    def forward(self, data, params, h0, c0, opts, reserve=None):
-        """Returns (out, hy, cy); cy is None without a cell state. With a reserve,
-        records what backward needs into it."""
+    def forward(self, data, params, h0, c0, opts, reserve=None, states=True):
+        """Returns (out, hy, cy); cy is None without a cell state, hy and cy None unless
+        `states` (a call without state_outputs: their copies cost a small call). With a
+        reserve, records what backward needs into it."""
         out = biases = None
         if self.plan.converts:
             keep, convert = (reserve or self.scratch), self.backend.astype
@@ -375,10 +381,11 @@ class RecurrentOp:
                 reserve.inputs = (data, params, h0, c0)
             out = self.scratch.out32
         if self._forward_blas is None:
-            outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases)
+            outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases, states)
         else:
             with self._forward_blas:
-                outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases)
+                outputs = self._forward(data, params, h0, c0, opts, reserve, out, biases,
+                                        states)
         return self._outward(*outputs) if self.plan.converts else outputs
 
     def _biases(self, params):
@@ -391,14 +398,15 @@ class RecurrentOp:
         return {key: b32[offset - start:offset - start + GH]
                 for key, (offset, _) in blocks.items() if key[2] in ("b_x", "b_h")}
 
-    def _forward(self, data, params, h0, c0, opts, reserve, out=None, biases=None):
+    def _forward(self, data, params, h0, c0, opts, reserve, out=None, biases=None,
+                 states=True):
         xp, T, N = self.xp, self.T, self.N
         L, D, H, R, lstm = self._dims
         training = reserve is not None
         if out is None:
             out = xp.empty((T, N, D * R), dtype=self.dtype)
-        hy = xp.empty((L * D, N, R), dtype=self.dtype)
-        cy = xp.empty((L * D, N, H), dtype=self.dtype) if lstm else None
+        hy = xp.empty((L * D, N, R), dtype=self.dtype) if states else None
+        cy = xp.empty((L * D, N, H), dtype=self.dtype) if lstm and states else None
         masks = _NO_MASKS if opts.lengths is None else self._length_masks(opts)
         dropout = self._dropout_masks(opts) if training and opts.dropout > 0 else []
         x = data
@@ -413,7 +421,7 @@ class RecurrentOp:
                                       hraw=reserve.hraw[layer] if training else None,
                                       saved=reserve.saved[layer] if training else None,
                                       biases=biases)
-            for d in range(D):
+            for d in range(D if states else 0):
                 last = T if d == 0 else 0
                 hy[layer * D + d] = hs[d, last]
                 if lstm:
@@ -695,6 +703,7 @@ class FusedDriver:
         self._no_record = op.xp.empty((0, 0, 0, 0), dtype=op.dtype)   # inference: no record
         self._names = self._backward_names = ()
         self._scratch = self._all_scratch = None   # namespaces of the layer's own arrays
+        self._launchers = {}   # (layer, input dtype) -> the layer's single_launcher
 
     def forward_scratch(self):
         shapes = self.layer.forward_scratch(self.op.config, self.op.T, self.op.N)
@@ -732,15 +741,17 @@ class FusedDriver:
         record = saved if saved is not None else self._no_record
         scratch = self._forward_views()
         if self.single:   # (first: the smallest calls' path)
+            x2d = x.reshape(N, -1)
+            launch = self._launchers.get((layer, x2d.dtype))
+            if launch is None:
+                launch = self._launchers[layer, x2d.dtype] = fused.single_launcher(
+                    scratch, N, x2d.shape[1], op._dims[2], x2d.dtype)
             for d in range(D):
                 op.initial_state(layer, d, h0, c0, hs, cs)
-                if biases is None:
-                    b_x, b_h = lay.view(params, layer, d, "b_x"), lay.view(params, layer, d, "b_h")
-                else:
+                w_x, w_h, b_x, b_h = lay.cell_views(params, layer, d)
+                if biases is not None:
                     b_x, b_h = biases[layer, d, "b_x"], biases[layer, d, "b_h"]
-                fused.forward_single(x.reshape(N, -1), d, lay.view(params, layer, d, "W_x"),
-                                     lay.view(params, layer, d, "W_h"), b_x, b_h, hs, cs, y,
-                                     record, scratch, *self._tail(opts))
+                launch(x2d, d, w_x, w_h, b_x, b_h, hs, cs, y, record, *self._tail(opts))
             return
         fuses = op.plan.fuses_input
         x_pairs, xproj = None, None

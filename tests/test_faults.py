@@ -48,6 +48,8 @@ def fault(monkeypatch):
                                fuses_input=layer.fuses_input, input_pairs=layer.input_pairs,
                                forward=wrap(layer.forward),
                                forward_single=wrap(layer.forward_single),
+                               single_launcher=lambda *sizes: wrap(
+                                   layer.single_launcher(*sizes)),
                                backward=wrap(layer.backward))
 
     real_fused = CpuBackend.fused_layer

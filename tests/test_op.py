@@ -158,3 +158,132 @@ def test_stored_as_is_refused_outside_cupy_float32_data(stored_as):
     with pytest.raises(ValueError, match="_stored_as: expected None, or 'bfloat16'"):
         fusedrnn.RNN(**case, **kw, _stored_as=stored_as)
     assert fusedrnn.RNN(**case, **kw, _stored_as=None).dtype == np.float32
+
+
+# ---- a call like the thread's last one (op.py: the checks and the lookup skipped) ------
+
+def _fresh(case, kw, **more):
+    """The call on an empty cache: every check, the op looked up."""
+    fusedrnn.clear_cache()
+    return fusedrnn.RNN(**case, **kw, **more)
+
+
+REPEATS = [  # (mode, T, N, L, D, dtype, states, keywords)
+    ("lstm", 1, 1, 1, 1, np.float32, False, {}),
+    ("gru", 1, 3, 2, 2, np.float64, True, dict(state_outputs=True)),
+    ("lstm", 4, 2, 1, 2, np.float32, True, dict(state_outputs=True, lstm_state_clip_min=-0.2,
+                                               lstm_state_clip_max=0.3)),
+    ("rnn_tanh", 3, 2, 2, 1, np.float64, False, dict(p=0.5, train=True, seed=3)),
+]
+
+
+@pytest.mark.parametrize("mode, T, N, L, D, dtype, states, more", REPEATS)
+def test_a_repeated_call_gives_what_a_checked_one_gives(mode, T, N, L, D, dtype, states, more):
+    """Calls like the last one (new values, the same shapes, dtypes and arguments) skip
+    the checks and the lookup: each gives exactly what the same call gives on an empty
+    cache, training handles included, and counts as the cache's hit."""
+    case, kw, heads = make_case(mode, T=T, N=N, I=3, H=4, L=L, D=D, dtype=dtype, states=states)
+    fusedrnn.RNN(**case, **kw, **more)
+    for seed in (1, 2):
+        again, _, heads = make_case(mode, T=T, N=N, I=3, H=4, L=L, D=D, dtype=dtype,
+                                    states=states, seed=seed)
+        hits = fusedrnn.cache_info().hits
+        got = fusedrnn.RNN(**again, **kw, **more)
+        assert fusedrnn.cache_info().hits == hits + 1
+        want = _fresh(again, kw, **more)
+        got, want = (x if isinstance(x, tuple) else (x,) for x in (got, want))
+        if more.get("train"):
+            got = (*got[:-1], *fusedrnn.rnn_backward(got[-1], heads["dout"])[:2])
+            want = (*want[:-1], *fusedrnn.rnn_backward(want[-1], heads["dout"])[:2])
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        fusedrnn.RNN(**again, **kw, **more)   # (the last call again, for the next round)
+
+
+def _error(call):
+    with pytest.raises((TypeError, ValueError)) as raised:
+        call()
+    return type(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("change", ["num_layers=True", "bidirectional=1", "float64 parameters",
+                                    "parameters as a list", "a state of another shape",
+                                    "a state as a list", "use_sequence_length alone",
+                                    "a state_cell for a GRU"])
+def test_a_call_unlike_the_last_is_checked_as_a_first_call(change):
+    """One argument apart from the last call's (a value of another type, an array of
+    another dtype or shape, or not an array): the same error as on an empty cache."""
+    mode = "gru" if change == "a state_cell for a GRU" else "lstm"
+    case, kw, _ = make_case(mode, T=1, N=2, I=3, H=4, dtype=np.float32)
+    fusedrnn.RNN(**case, **kw)
+    fusedrnn.RNN(**case, **kw)   # (a repeat: the one to differ from)
+    bad, more = dict(case), {}
+    if change == "num_layers=True":
+        kw = dict(kw, num_layers=True)
+    elif change == "bidirectional=1":
+        kw = dict(kw, bidirectional=1)
+    elif change == "float64 parameters":
+        bad["parameters"] = case["parameters"].astype(np.float64)
+    elif change == "parameters as a list":
+        bad["parameters"] = list(case["parameters"])
+    elif change == "a state of another shape":
+        bad["state"] = case["state"][:, :1].copy()
+    elif change == "a state as a list":
+        bad["state"] = case["state"].tolist()
+    elif change == "use_sequence_length alone":
+        more = dict(use_sequence_length=True)
+    else:
+        bad["state_cell"] = case["state"].copy()
+    repeated = _error(lambda: fusedrnn.RNN(**bad, **kw, **more))
+    assert repeated == _error(lambda: _fresh(bad, kw, **more))
+
+
+def test_lengths_are_checked_at_every_call():
+    """sequence_length's values are read at every call (no repeat is kept for them)."""
+    case, kw, _ = make_case("gru", T=3, N=2, I=3, H=4, dtype=np.float32)
+    for _ in range(2):
+        fusedrnn.RNN(**case, **kw, sequence_length=np.array([3, 1]), use_sequence_length=True)
+    with pytest.raises(ValueError, match="sequence_length"):
+        fusedrnn.RNN(**case, **kw, sequence_length=np.array([3, 4]), use_sequence_length=True)
+
+
+def test_a_strided_repeat_reads_its_data_as_the_checks_would():
+    """The repeat takes the same contiguous copies the checks take."""
+    case, kw, _ = make_case("lstm", T=1, N=3, I=4, H=4, dtype=np.float32)
+    fusedrnn.RNN(**case, **kw)
+    wide = np.repeat(case["data"], 2, axis=2)[:, :, ::2]   # (same values, strided)
+    assert not wide.flags.c_contiguous
+    assert np.array_equal(fusedrnn.RNN(**dict(case, data=wide), **kw), _fresh(case, kw))
+
+
+def test_the_repeat_goes_with_its_op():
+    """A cleared cache, or the repeat's op evicted: no repeat (nor its op kept alive)."""
+    from fusedrnn.cache import thread_cache
+    case, kw, _ = make_case("lstm", T=1, N=2, I=3, H=4, dtype=np.float32)
+    fusedrnn.RNN(**case, **kw)
+    assert thread_cache().last is not None
+    fusedrnn.clear_cache()
+    assert thread_cache().last is None
+    fusedrnn.RNN(**case, **kw)
+    first = thread_cache().last
+    fusedrnn.RNN(**dict(case, data=case["data"][:, :1], state=None, state_cell=None), **kw)
+    assert thread_cache().last.op is not first.op
+    thread_cache().touch(first.key, first.op)   # (the last call's op now the oldest)
+    try:
+        fusedrnn.set_cache_limits(max_entries=1)
+        assert fusedrnn.cache_info().entries == 1 and thread_cache().last is None
+    finally:
+        fusedrnn.set_cache_limits(max_entries=32)
+
+
+def test_no_repeat_while_on_the_first_tier(monkeypatch):
+    """A call on the first tier keeps no repeat: a later one may find the kernels ready."""
+    from fusedrnn.cache import thread_cache
+    from fusedrnn.cpu import FIRST_TIER, CpuBackend
+    monkeypatch.setattr(CpuBackend, "for_call", lambda self, *args: FIRST_TIER)
+    case, kw, _ = make_case("gru", T=2, N=2, I=3, H=4, dtype=np.float32)
+    for _ in range(2):
+        fusedrnn.RNN(**case, **kw)
+        assert thread_cache().last is None
+    assert fusedrnn.cache_info().backends == {"cpu-first-tier": 1}

@@ -43,6 +43,9 @@ class OpCache:
     def __init__(self):
         self._ops = OrderedDict()
         self.hits = self.misses = self.evictions = 0
+        # The thread's last checked call (op.LastCall), whose op this cache holds: a call
+        # with the same signature skips the checks and the lookup. Gone with its op.
+        self.last = None
 
     def get(self, key, build, *args):
         """The op under `key`, or build(*args)'s, kept (the arguments, not a closure: a
@@ -77,10 +80,13 @@ class OpCache:
                 break
             del self._ops[oldest]
             self.evictions += 1
+            if self.last is not None and self.last.key == oldest:
+                self.last = None
 
     def clear(self):
         self._ops.clear()
         self.hits = self.misses = self.evictions = 0
+        self.last = None
 
     def info(self):
         return CacheInfo(self.hits, self.misses, self.evictions, len(self._ops), self.nbytes(),

@@ -92,6 +92,9 @@ def _pair_product(a, b, out, transpose_a, pairs, a_paired=False):
                         by_columns=transpose_a)
 
 
+_NO_CONTEXT = contextlib.nullcontext()   # (reusable: one, not one a call)
+
+
 class CpuBackend:
     name = "cpu"
     array_name = "numpy.ndarray"
@@ -252,7 +255,7 @@ class CpuBackend:
 
     @staticmethod
     def device_context(array):
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     @staticmethod
     def follow(last_stream):

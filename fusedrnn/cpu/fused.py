@@ -801,28 +801,39 @@ class FusedLayer:
             scratch.x_cols  flat, >= ceil(N/16)*K*16;  scratch.h_cols (ceil(N/16), H, 16)
             scratch.w_rows  (threads, 16*max(K, H)): bfloat16 weights' rows, widened
         Everything else as forward() with T=1 (hs, cs: (D, 2, N, H))."""
-        scalar = self.dtype.type
-        K, tiles = x2d.shape[1], scratch.tiles
-        N, GH, H = x2d.shape[0], w_h.shape[0], w_h.shape[1]
+        self.single_launcher(scratch, x2d.shape[0], x2d.shape[1], w_h.shape[1], x2d.dtype)(
+            x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, lengths, clip_lo, clip_hi, clip_flags)
+
+    def single_launcher(self, scratch, batch, input_size, state_size, x_dtype):
+        """forward_single for these sizes, its fixed arguments worked out once (a driver
+        keeps it: a small call's time is mostly Python)."""
+        N, K, H, tiles, scalar = batch, input_size, state_size, scratch.tiles, self.dtype.type
         # no columns: the kernel takes row_dots (note above DOT_SAMPLES), which reads x as
         # the layer's dtype (the columns' packing converts any other)
-        by_rows = N <= DOT_SAMPLES and x2d.dtype == self.dtype
-        h_cols = scratch.h_cols[:0] if by_rows else scratch.h_cols
-        serial = N * GH * (H + K) <= SERIAL_WORK
-        w_x, w_h = self._weight(w_x), self._weight(w_h)
-        w_rows = self._no_rows
-        if w_x.dtype == np.uint16:
-            w_rows, workers = scratch.w_rows.view(np.uint32), _workers(tiles.shape[0], serial)
-            if w_rows.shape[0] < workers or w_rows.shape[1] < PANEL * max(K, H):
-                raise ValueError(f"FusedLayer.forward_single: w_rows {w_rows.shape} cannot "
-                                 f"hold {PANEL} rows of {max(K, H)} for {workers} workers")
-        # (two rows of counters: the packing's and the step's)
-        _launch((self._forward_single, self._forward_single_serial), serial, 2, tiles.shape[0],
-                (self._no_xproj, d, self._no_wpack, (bx, bh), (hs, cs), y, saved, tiles,
-                 lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
-                 (np.ascontiguousarray(x2d), w_x, w_h,
-                  scratch.x_cols[:h_cols.shape[0] * K * PANEL].reshape(-1, K, PANEL), h_cols,
-                  w_rows), self._no_half))
+        by_rows_if = x_dtype == self.dtype
+        cols = {rows: (scratch.x_cols[:len(h_cols) * K * PANEL].reshape(-1, K, PANEL), h_cols)
+                for rows, h_cols in ((True, scratch.h_cols[:0]), (False, scratch.h_cols))}
+        work, blocks = N * self.gates * H * (H + K), tiles.shape[0]
+
+        def launch(x2d, d, w_x, w_h, bx, bh, hs, cs, y, saved, lengths, clip_lo, clip_hi,
+                   clip_flags):
+            x_cols, h_cols = cols[by_rows_if and N <= DOT_SAMPLES]   # (bounds: read now)
+            serial = work <= SERIAL_WORK
+            w_x, w_h = self._weight(w_x), self._weight(w_h)
+            w_rows = self._no_rows
+            if w_x.dtype == np.uint16:
+                w_rows, workers = scratch.w_rows.view(np.uint32), _workers(blocks, serial)
+                if w_rows.shape[0] < workers or w_rows.shape[1] < PANEL * max(K, H):
+                    raise ValueError(f"FusedLayer.forward_single: w_rows {w_rows.shape} "
+                                     f"cannot hold {PANEL} rows of {max(K, H)} for {workers} "
+                                     f"workers")
+            # (two rows of counters: the packing's and the step's)
+            _launch((self._forward_single, self._forward_single_serial), serial, 2, blocks,
+                    (self._no_xproj, d, self._no_wpack, (bx, bh), (hs, cs), y, saved, tiles,
+                     lengths, (scalar(clip_lo), scalar(clip_hi), clip_flags),
+                     (np.ascontiguousarray(x2d), w_x, w_h, x_cols, h_cols, w_rows),
+                     self._no_half))
+        return launch
 
     def backward(self, dy, d, w_h, hs, cs, saved, dgx, dgh, dh_rec0, dh_carry, dc_carry,
                  scratch, lengths, clip_lo, clip_hi, clip_flags):

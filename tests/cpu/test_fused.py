@@ -256,20 +256,20 @@ def build(request, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_op_single_step_matches_generic_path(monkeypatch, build, mode, dtype, H, N,
                                             lengths):
-    """T=1 (a decoder step), 2 layers, bidirectional, through forward_single: inference,
-    training forward and all gradients equal the generic per-step path's (with lengths:
-    all 1, the only valid ones, through the kernels' length checks)."""
+    """T=1 (a decoder step), 2 layers, bidirectional, through forward_single's launcher:
+    inference, training forward and all gradients equal the generic per-step path's (with
+    lengths: all 1, the only valid ones, through the kernels' length checks)."""
     case, kw, heads = make_case(mode, T=1, N=N, I=I, H=H, L=2, D=2, dtype=dtype,
                                 seed=H * 10 + N + 1)
     options = dict(sequence_length=np.ones(N, np.int64), use_sequence_length=True) \
         if lengths else {}
-    calls, real = [], FusedLayer.forward_single
+    calls, real = [], FusedLayer.single_launcher
 
-    def counted(self, *args):
-        calls.append(1)
-        return real(self, *args)
+    def counted(self, *sizes):   # (the op's driver keeps a launcher per layer)
+        launch = real(self, *sizes)
+        return lambda *args: calls.append(1) or launch(*args)
 
-    monkeypatch.setattr(FusedLayer, "forward_single", counted)
+    monkeypatch.setattr(FusedLayer, "single_launcher", counted)
     # the backward's products, a layer's in one region (at any size here: the bound's own
     # test is test_a_single_steps_products_go_together_past_a_bound)
     monkeypatch.setattr(cpu, "STEP_PRODUCTS_WORK", -1)

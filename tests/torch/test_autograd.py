@@ -230,14 +230,14 @@ def test_calls_through_torch_are_marked_as_a_torch_programs(monkeypatch):
 
 def test_a_torch_programs_cpu_call_raises_glibcs_mmap_threshold_once():
     """fusedrnn/cpu/heap.py: the first CPU call from torch raises it, later ones find it
-    done (tests/cpu/test_heap.py checks what it does to glibc)."""
+    done or, repeating that call (op.py), do not ask (tests/cpu/test_heap.py checks what
+    it does to glibc)."""
     from fusedrnn.cpu import heap
     rnn, x = ft.LSTM(3, 4), torch.randn(2, 1, 3)
     heap.raise_mmap_threshold.cache_clear()
     rnn(x)
     rnn(x)[0].sum().backward()
-    info = heap.raise_mmap_threshold.cache_info()
-    assert info.misses == 1 and info.hits >= 1
+    assert heap.raise_mmap_threshold.cache_info().misses == 1
     assert heap.raise_mmap_threshold() is (heap.glibc() is not None)
 
 
