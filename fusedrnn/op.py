@@ -59,12 +59,13 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
         # other argument's value and type) passes the same checks and runs the same op:
         # both are skipped, as more than half of a small call's time went to them.
         cache = thread_cache()
-        repeat = (data.shape, data.dtype, _facts(parameters), _facts(state),
-                  _facts(state_cell), sequence_length is None, TORCH_CALLER.get(),
-                  (state_size, num_layers, mode, bidirectional, p, state_outputs,
-                   projection_size, lstm_state_clip_min, lstm_state_clip_max,
-                   lstm_state_clip_nan, use_sequence_length, train, seed, _stored_as))
-        repeat += (tuple(map(type, repeat[-1])),)   # (True is not 1: validate's rules)
+        args = (state_size, num_layers, mode, bidirectional, p, state_outputs, projection_size,
+                lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan,
+                use_sequence_length, train, seed, _stored_as)
+        # (types first: True is not 1 to validate, and an array's == is no answer)
+        repeat = (tuple(map(type, args)), data.shape, data.dtype, _facts(parameters),
+                  _facts(state), _facts(state_cell), sequence_length is None,
+                  TORCH_CALLER.get(), args)
         last = cache.last
         if last is not None and last.signature == repeat:
             call = CheckedCall(last.config, np.ascontiguousarray(data),
@@ -120,10 +121,13 @@ class LastCall(NamedTuple):
 
 
 def _facts(array):
-    """What the checks read of an optional array argument; False: not a numpy array."""
+    """What the checks read of an array argument (None where it may be); anything but an
+    array gets a value equal to no other, so its call is checked."""
     if array is None:
         return None
-    return (array.shape, array.dtype) if type(array) is np.ndarray else False
+    if isinstance(array, np.ndarray):   # (a subclass too, as the checks take it)
+        return type(array), array.shape, array.dtype
+    return object()
 
 
 def _contiguous(array):

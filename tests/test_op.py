@@ -239,6 +239,38 @@ def test_a_call_unlike_the_last_is_checked_as_a_first_call(change):
     assert repeated == _error(lambda: _fresh(bad, kw, **more))
 
 
+@pytest.mark.parametrize("slot", ["parameters", "state"])
+@pytest.mark.parametrize("then", ["a list", "too long", "float64"])
+def test_after_an_array_subclass_the_next_call_is_checked(slot, then):
+    """An ndarray subclass (a memory map's type here) passes the checks; a later call with
+    anything else in its place is checked as a first call would be."""
+    case, kw, _ = make_case("gru", T=1, N=2, I=3, H=4, dtype=np.float32)
+    mapped = dict(case, **{slot: case[slot].view(np.memmap)})
+    fusedrnn.RNN(**mapped, **kw)
+    fusedrnn.RNN(**mapped, **kw)
+    bad = case[slot]
+    if then == "a list":
+        bad = bad.tolist()
+    elif then == "too long":
+        bad = np.concatenate([bad.ravel(), bad.ravel()[:7]]).reshape(-1, *bad.shape[1:]) \
+            if slot == "state" else np.concatenate([bad, bad[:7]])
+        bad = bad.view(np.memmap)
+    else:
+        bad = bad.astype(np.float64).view(np.memmap)
+    other = dict(case, **{slot: bad})
+    assert _error(lambda: fusedrnn.RNN(**other, **kw)) == _error(lambda: _fresh(other, kw))
+
+
+@pytest.mark.parametrize("name, value", [("state_size", [4, 4]), ("p", [0.1, 0.2])])
+def test_an_array_where_a_number_goes_is_checked_after_a_repeat(name, value):
+    """(An array's == answers with an array: the signature compares types first.)"""
+    case, kw, _ = make_case("gru", T=1, N=2, I=3, H=4, dtype=np.float32)
+    for _ in range(2):
+        fusedrnn.RNN(**case, **kw)
+    bad = dict(kw, **{name: np.array(value)})
+    assert _error(lambda: fusedrnn.RNN(**case, **bad)) == _error(lambda: _fresh(case, bad))
+
+
 def test_lengths_are_checked_at_every_call():
     """sequence_length's values are read at every call (no repeat is kept for them)."""
     case, kw, _ = make_case("gru", T=3, N=2, I=3, H=4, dtype=np.float32)
