@@ -57,7 +57,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     if type(data) is np.ndarray:   # (first: a small call's every step counts)
         # A call like this thread's last one (its arrays' types, shapes and dtypes, every
         # other argument's value and type) passes the same checks and runs the same op:
-        # both are skipped, as more than half of a small call's time went to them.
+        # both are skipped (a small call spent more on them than on its op).
         cache = thread_cache()
         args = (state_size, num_layers, mode, bidirectional, p, state_outputs, projection_size,
                 lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan,
