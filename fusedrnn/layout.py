@@ -80,8 +80,8 @@ class ParamLayout:
                 for layer, d, kind in self.blocks if kind == "W_x"}
 
     def cell_views(self, flat, layer: int, direction: int):
-        """(W_x, W_h, b_x, b_h) of one layer direction: view's four in one call (a small
-        call's path takes them at every call)."""
+        """(W_x, W_h, b_x, b_h) of one layer direction: view's four in one lookup (the
+        single step's path, at every call)."""
         (a, b, x_shape), (c, e, h_shape), (f, g, _), (i, j, _) = \
             self._cell_spans[layer, direction]
         return flat[a:b].reshape(x_shape), flat[c:e].reshape(h_shape), flat[f:g], flat[i:j]

@@ -364,7 +364,7 @@ class RecurrentOp:
     # -- forward ----------------------------------------------------------------------
     def forward(self, data, params, h0, c0, opts, reserve=None, states=True):
         """Returns (out, hy, cy); cy is None without a cell state, hy and cy None unless
-        `states` (a call without state_outputs: their copies cost a small call). With a
+        `states` (a call without state_outputs needs no copies). With a
         reserve, records what backward needs into it."""
         out = biases = None
         if self.plan.converts:
