@@ -183,16 +183,21 @@ class TrainingHandle:
         not in another thread's call, else leave it to be freed; backward is no longer
         possible. Never waits: the torch integration's finalizer calls it from the
         garbage collector, anywhere in any thread."""
+        if self._give_back():
+            thread_cache().trim(keep=self._key)
+
+    def _give_back(self):
+        """release() but the cache's trim: whether the reserve went back to its op."""
         with self._guard:
             reserve, self._reserve = self._reserve, None
         op = self._op()
         if reserve is None or op is None or not op.lock.acquire(blocking=False):
-            return
+            return False
         try:
             op.give_back_reserve(reserve)
         finally:
             op.lock.release()
-        thread_cache().trim(keep=self._key)
+        return True
 
 
 def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNGradients:
@@ -227,7 +232,7 @@ def rnn_backward(handle, dout=None, dhy=None, dcy=None, *, retain=False) -> RNNG
                                                    call.state, call.state_cell, call.options,
                                                    dout, dhy, dcy)
         if not retain:
-            handle.release()
+            handle._give_back()   # (the trim below is release()'s)
     thread_cache().trim(keep=handle._key)
     return RNNGradients(g_data, g_params, g_h0 if call.state is not None else None,
                         g_c0 if call.state_cell is not None else None)

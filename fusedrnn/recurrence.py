@@ -205,6 +205,8 @@ class RecurrentOp:
 
     def __init__(self, backend, config, seq_len, batch, dtype, stored_as=None):
         self.backend, self.config, self.xp = backend, config, backend.xp
+        # column sums (the bias gradients): numpy's ufunc method skips np.sum's wrapper
+        self._column_sums = np.add.reduce if self.xp is np else self.xp.sum
         self.io_dtype, self.dtype = dtype, np.dtype(PRECISIONS[dtype.name].compute)
         self.T, self.N = seq_len, batch
         self.layout = ParamLayout(config)
@@ -545,7 +547,7 @@ class RecurrentOp:
                             opts, masks, b, g_h0, g_c0, jobs=None):
         """One direction's loop, dh_0, dc_0 and parameter gradients; with `jobs` (a list)
         its GEMMs are appended there as (a, b, out, transpose_a), dh_rec's into dh_first."""
-        xp, cfg, T, N, lay = self.xp, self.config, self.T, self.N, self.layout
+        cfg, T, N, lay = self.config, self.T, self.N, self.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
         cell, proj = cfg.cell, bool(cfg.projection_size)
         hs = reserve.hs[layer]
@@ -582,9 +584,10 @@ class RecurrentOp:
         if proj:
             gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)
-        g_bx = xp.sum(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
+        sums = self._column_sums
+        g_bx = sums(b.dgx[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_x"))
         if cell.split_gate_grads:
-            xp.sum(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
+            sums(dgh[:, cols], axis=0, out=lay.view(g_params, layer, d, "b_h"))
         else:   # the same sum (b_x and b_h enter the gates alike): taken once
             lay.view(g_params, layer, d, "b_h")[...] = g_bx
 

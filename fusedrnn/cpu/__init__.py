@@ -60,6 +60,12 @@ STEP_PRODUCTS_MOST = 1 << 28
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
+# Smaller outer products (a^T @ b over one row) run on numpy's multiply.
+# Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product
+OUTER_OWN_ELEMENTS = 1 << 13
+# An op with no GEMM past this enters no BLAS scope (OpenBLAS runs them on one thread).
+# Measured: bench/results/cpu-kernel-notes.md#threads-no-blas-scope-for-the-smallest-ops
+BLAS_SERIAL_WORK = 1 << 15
 
 
 def _own_product(a, b, out):
@@ -132,11 +138,15 @@ class CpuBackend:
 
     @staticmethod
     def blas_scope(config, seq_len, batch, own_gemms=False):
-        """The context an op's numpy BLAS calls run in: one thread in a torch program's call
-        (threads.BlasOneThread), and with own_gemms (pair_products) in every program; a
-        fused layer's numpy program runs its large GEMMs in parts (matmul) instead."""
+        """The context an op's numpy BLAS calls run in: none if no GEMM passes BLAS_SERIAL_WORK;
+        one thread in a torch program's call (threads.BlasOneThread), and with own_gemms in
+        every program; a fused layer's numpy program runs its large GEMMs in parts instead."""
         if own_gemms:
             return threads.BLAS_ONE_THREAD_ALWAYS
+        widest = max([config.layer_input_size(layer) for layer in range(config.num_layers)]
+                     + [config.recurrent_size, config.state_size])
+        if seq_len * batch * config.directions * config.gate_rows * widest <= BLAS_SERIAL_WORK:
+            return _NO_CONTEXT
         return threads.BLAS_ONE_THREAD if config.projection_size else threads.BLAS_IN_PARTS
 
     @staticmethod
@@ -160,10 +170,10 @@ class CpuBackend:
         in a torch program on torch's GEMM and pool (OpenBLAS's spinning threads took a core
         from its ops; one thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the
         micro-kernel after torch's transposing copy; a^T @ b over one row (an outer product)
-        outside a torch program on the micro-kernel, or numpy's multiply; numpy's inside
-        BLAS_IN_PARTS, PARTS_WORK or more, in parts on helper threads. With `pairs`
-        (pair_scratch's uint32s, where pair_products; `half`: bfloat16) on bfloat16 pairs;
-        a_paired: `pairs` still holds a's pairs.
+        outside a torch program on the micro-kernel from OUTER_OWN_ELEMENTS, else numpy's
+        multiply; numpy's inside BLAS_IN_PARTS, PARTS_WORK or more, in parts on helper
+        threads. With `pairs` (pair_scratch's uint32s, where pair_products; `half`:
+        bfloat16) on bfloat16 pairs; a_paired: `pairs` still holds a's pairs.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
         bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":
@@ -182,11 +192,9 @@ class CpuBackend:
         host = TORCH_CALLER.get()
         if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous and \
                 out.dtype in (np.float32, np.float64):
-            # a^T @ b over one row (T=1, N=1) is an outer product, which numpy's matmul
-            # runs in its own scalar loop, not in BLAS (torch's mm is quick there)
-            # Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product
+            # (numpy's matmul runs it in a scalar loop of its own; torch's mm is quick)
             column, row = a.reshape(M, 1), b.reshape(1, C)
-            if own_gemm(out.dtype):
+            if own_gemm(out.dtype) and M * C >= OUTER_OWN_ELEMENTS:
                 return _own_product(np.ascontiguousarray(column), np.ascontiguousarray(row),
                                     out)
             return np.multiply(column, row, out=out)

@@ -289,8 +289,25 @@ def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_thread
     from fusedrnn.recurrence import RecurrentOp
     op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(ml_dtypes.bfloat16))
     assert (op.blas is threads.BLAS_ONE_THREAD_ALWAYS) == BACKEND.pair_products("bfloat16")
-    float_op = RecurrentOp(BACKEND, config, 5, 3, np.dtype(np.float32))
+    float_op = RecurrentOp(BACKEND, config, 50, 30, np.dtype(np.float32))
     assert float_op.blas is threads.BLAS_IN_PARTS
+
+
+@pytest.mark.parametrize("projection", [None, 4])
+def test_an_op_whose_every_gemm_is_small_runs_without_a_scope(projection):
+    """Up to BLAS_SERIAL_WORK multiply-adds in its largest GEMM (every one of the op's
+    GEMMs is within T*N*D*G*H*max(inputs, H)) an op enters no BLAS scope; one more sample
+    and it does."""
+    from fusedrnn.cpu import BLAS_SERIAL_WORK
+    config = RNNConfig(mode="lstm", input_size=8, state_size=16, num_layers=2,
+                       bidirectional=True, projection_size=projection)
+    # T=3, D=2, G*H=64; the widest: the second layer's input (2*16), or with the
+    # projection H (its input is 2*4)
+    per_sample = 3 * 2 * 64 * (16 if projection else 32)
+    N = BLAS_SERIAL_WORK // per_sample
+    assert N > 1 and not isinstance(BACKEND.blas_scope(config, 3, N), threads.BlasOneThread)
+    big = BACKEND.blas_scope(config, 3, N + 1)
+    assert big is (threads.BLAS_ONE_THREAD if projection else threads.BLAS_IN_PARTS)
 
 
 @pytest.mark.parametrize("caller", ["numpy", "torch"])
@@ -399,6 +416,7 @@ def test_a_numpy_programs_training_gemms_run_in_parts(two_blas_threads, monkeypa
     whole = grads()
     calls = []
     monkeypatch.setattr(cpu, "PARTS_WORK", 1)
+    monkeypatch.setattr(cpu, "BLAS_SERIAL_WORK", 0)   # (in the scope, whatever its size)
     original = threads.gemm_in_parts
 
     def spy(a, b, out, parts):
