@@ -48,9 +48,11 @@ def to_array(tensor):
         return cupy.from_dlpack(tensor)
     if tensor.device.type != "cpu":
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
+    # (a CPU tensor's numpy view shares its memory as DLPack's does, at a fraction of
+    # its cost per call: bench/results/torch-modules.md#the-crossing-per-call)
     if tensor.dtype == torch.bfloat16:
-        return np.from_dlpack(tensor.view(torch.int16)).view(_ml_dtypes().bfloat16)
-    return np.from_dlpack(tensor)
+        return tensor.view(torch.int16).numpy().view(_ml_dtypes().bfloat16)
+    return tensor.numpy()
 
 
 def to_tensor(array):
@@ -58,6 +60,8 @@ def to_tensor(array):
         return None
     if dtype_name(array.dtype) == "bfloat16":   # numpy's (ml_dtypes), no DLPack code
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if isinstance(array, np.ndarray) and array.flags.writeable:   # (from_numpy warns else)
+        return torch.from_numpy(array)
     return torch.from_dlpack(array)
 
 
@@ -99,10 +103,15 @@ def _from_torch(tensor):
     token = TORCH_CALLER.set(TORCH_HOST)
     try:
         # The op's own torch GEMMs (TorchHost) run in its float32, whatever autocast says.
-        with _same_stream(tensor), torch.autocast(tensor.device.type, enabled=False):
+        device = tensor.device.type
+        with _same_stream(tensor), (torch.autocast(device, enabled=False)
+                                    if torch.is_autocast_enabled(device) else _NOTHING):
             yield
     finally:
         TORCH_CALLER.reset(token)
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def _same_stream(tensor):
