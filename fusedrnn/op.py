@@ -43,7 +43,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
     layers, training only) draws its masks from the backend's generator seeded by `seed`
     (None: fresh entropy); the same seed gives the same masks.
 
-    torch tensors (CPU or CUDA) go through DLPack without copies and return tensors that
+    torch tensors (CPU or CUDA) cross without copies and return tensors that
     torch.autograd differentiates (no handle is appended; see the torch integration's
     `rnn`). There `train` defaults to whether autograd will need a backward; for arrays,
     to False.

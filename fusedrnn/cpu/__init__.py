@@ -63,9 +63,9 @@ PARTS_WORK = 1 << 24
 # Smaller outer products (a^T @ b over one row) run on numpy's multiply.
 # Measured: bench/results/cpu-kernel-notes.md#gemm-an-outer-product
 OUTER_OWN_ELEMENTS = 1 << 13
-# An op with no GEMM past this enters no BLAS scope (OpenBLAS runs them on one thread).
+# An op with no GEMM or gemv past this enters no BLAS scope: OpenBLAS runs those on one thread.
 # Measured: bench/results/cpu-kernel-notes.md#threads-no-blas-scope-for-the-smallest-ops
-BLAS_SERIAL_WORK = 1 << 15
+BLAS_SERIAL_WORK = 1 << 13
 
 
 def _own_product(a, b, out):

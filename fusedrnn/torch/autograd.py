@@ -1,6 +1,6 @@
 """fusedrnn.RNN on torch tensors as two torch operators (fusedrnn::rnn, whose autograd
 formula calls fusedrnn::rnn_backward), and the tensor <-> array crossing they use
-(DLPack, no copies). Its own module so that modules.py can import `rnn` at its top
+(no copies: numpy's views on the CPU, DLPack on CUDA). Its own module so that modules.py can import `rnn` at its top
 without importing the package fusedrnn.torch, which imports modules.py.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ def to_array(tensor):
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
     # (a CPU tensor's numpy view shares its memory as DLPack's does, at a fraction of
     # its cost per call: bench/results/torch-modules.md#the-crossing-per-call)
+    tensor = tensor.resolve_neg()   # (numpy has no negative bit; DLPack ignored it)
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_ml_dtypes().bfloat16)
     return tensor.numpy()
@@ -60,7 +61,8 @@ def to_tensor(array):
         return None
     if dtype_name(array.dtype) == "bfloat16":   # numpy's (ml_dtypes), no DLPack code
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    if isinstance(array, np.ndarray) and array.flags.writeable:   # (from_numpy warns else)
+    if isinstance(array, np.ndarray) and array.flags.writeable and \
+            min(array.strides, default=0) >= 0:   # (from_numpy warns or refuses else)
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
 

@@ -1,5 +1,6 @@
 """fusedrnn.cpu.CpuBackend.matmul, the op's large GEMMs: a @ b on the micro-kernel
-above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel),
+above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel
+from OUTER_OWN_ELEMENTS, numpy's multiply below),
 each against float64 numpy into a NaN-poisoned output, at sizes on both sides of the
 threshold; in a torch program (config.TORCH_CALLER) everything but the micro-kernel's
 products on torch's GEMM, and large float32 weight gradients as torch's transpose, then
@@ -16,11 +17,13 @@ TOL = {np.float32: 2e-6, np.float64: 1e-13}   # relative to max |a @ b|, K up to
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
-@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301), (70, 1, 45)])  # (M, K, C)
+@pytest.mark.parametrize("shape", [(21, 37, 17), (300, 3000, 301), (70, 1, 45),
+                                   (128, 1, 64)])  # (M, K, C)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
     """K = 1: a^T @ b an outer product (a T=1 N=1 weight gradient), on the micro-kernel
-    where own_gemm (numpy's matmul loops over it without BLAS), else numpy's multiply."""
+    where own_gemm from OUTER_OWN_ELEMENTS (numpy's matmul loops over it without BLAS),
+    else numpy's multiply."""
     M, K, C = shape
     rng = np.random.default_rng([M, K, C])
     # a as the op passes it: for a^T @ b a column slice of a wider matrix (row stride >
@@ -35,8 +38,8 @@ def test_matmul_matches_float64(monkeypatch, dtype, shape, transpose_a):
     CpuBackend.matmul(a, b, out, transpose_a=transpose_a)
     want = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     assert np.max(np.abs(out - want)) <= TOL[dtype] * np.max(np.abs(want))
-    own = (transpose_a and K == 1 or not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK) \
-        and cpu.own_gemm(dtype)
+    own = (transpose_a and K == 1 and M * C >= cpu.OUTER_OWN_ELEMENTS
+           or not transpose_a and M * K * C >= cpu.OWN_GEMM_WORK) and cpu.own_gemm(dtype)
     assert bool(calls) == own, "the micro-kernel ran where the rule says numpy (or back)"
 
 

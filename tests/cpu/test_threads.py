@@ -257,8 +257,8 @@ def test_a_call_from_another_thread_leaves_the_blas_count_alone(two_blas_threads
 
 @pytest.mark.parametrize("T, N, H", [(50, 32, 64), (300, 64, 800)])
 def test_every_op_runs_its_numpy_blas_in_the_capping_scope(T, N, H):
-    """Small and large ops alike: the scope caps a torch program's numpy BLAS at one
-    thread (its large GEMMs run on torch's pool, CpuBackend.matmul)."""
+    """Ops past BLAS_SERIAL_WORK, small and large: the scope caps a torch program's numpy
+    BLAS at one thread (its large GEMMs run on torch's pool, CpuBackend.matmul)."""
     config = RNNConfig(mode="lstm", input_size=H, state_size=H, num_layers=2,
                        bidirectional=True)
     # a fused layer's: one thread in any program, a numpy program's GEMMs in parts
@@ -296,22 +296,26 @@ def test_an_op_on_its_own_gemms_caps_blas_in_a_numpy_program_too(two_blas_thread
 @pytest.mark.parametrize("projection", [None, 4])
 def test_an_op_whose_every_gemm_is_small_runs_without_a_scope(projection):
     """Up to BLAS_SERIAL_WORK multiply-adds in its largest GEMM (every one of the op's
-    GEMMs is within T*N*D*G*H*max(inputs, H)) an op enters no BLAS scope; one more sample
-    and it does."""
+    GEMMs is within T*N*D*G*H*max(inputs, H, R)) an op enters no BLAS scope; one more
+    sample and it does."""
     from fusedrnn.cpu import BLAS_SERIAL_WORK
     config = RNNConfig(mode="lstm", input_size=8, state_size=16, num_layers=2,
                        bidirectional=True, projection_size=projection)
-    # T=3, D=2, G*H=64; the widest: the second layer's input (2*16), or with the
+    # T=1, D=2, G*H=64; the widest: the second layer's input (2*16), or with the
     # projection H (its input is 2*4)
-    per_sample = 3 * 2 * 64 * (16 if projection else 32)
+    per_sample = 2 * 64 * (16 if projection else 32)
     N = BLAS_SERIAL_WORK // per_sample
-    assert N > 1 and not isinstance(BACKEND.blas_scope(config, 3, N), threads.BlasOneThread)
-    big = BACKEND.blas_scope(config, 3, N + 1)
+    assert N > 1 and not isinstance(BACKEND.blas_scope(config, 1, N), threads.BlasOneThread)
+    big = BACKEND.blas_scope(config, 1, N + 1)
     assert big is (threads.BLAS_ONE_THREAD if projection else threads.BLAS_IN_PARTS)
 
 
 @pytest.mark.parametrize("caller", ["numpy", "torch"])
-def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller):
+def test_a_training_call_leaves_the_blas_threads_as_it_found_them(two_blas_threads, caller,
+                                                                  monkeypatch):
+    import fusedrnn.cpu as cpu
+    monkeypatch.setattr(cpu, "BLAS_SERIAL_WORK", 0)   # (in the scope, whatever its size)
+    fusedrnn.clear_cache()
     token = TORCH_CALLER.set(_StandIn() if caller == "torch" else None)
     try:
         case, kw, heads = make_case("gru", T=5, N=3, L=2, D=2, dtype=np.float32)
