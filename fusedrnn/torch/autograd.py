@@ -1,7 +1,8 @@
 """fusedrnn.RNN on torch tensors as two torch operators (fusedrnn::rnn, whose autograd
-formula calls fusedrnn::rnn_backward), and the tensor <-> array crossing they use
-(no copies: numpy's views on the CPU, DLPack on CUDA). Its own module so that modules.py can import `rnn` at its top
-without importing the package fusedrnn.torch, which imports modules.py.
+formula calls fusedrnn::rnn_backward), and the tensor <-> array crossing they use (no
+copies: numpy's views on the CPU, DLPack on CUDA). Its own module so that modules.py can
+import `rnn` at its top without importing the package fusedrnn.torch, which imports
+modules.py.
 """
 from __future__ import annotations
 
