@@ -58,7 +58,7 @@ def RNN(data, parameters, state=None, state_cell=None, sequence_length=None, *, 
         # A call like this thread's last one (its arrays' types, shapes and dtypes, every
         # other argument's value and type) passes the same checks and runs the same op:
         # both are skipped.
-        # Measured: bench/results/cpu-kernel-notes.md#a-call-like-the-last-one-2026-11-29-fifth-session
+        # Measured: bench/results/cpu-kernel-notes.md#a-call-like-the-last-one
         cache = thread_cache()
         args = (state_size, num_layers, mode, bidirectional, p, state_outputs, projection_size,
                 lstm_state_clip_min, lstm_state_clip_max, lstm_state_clip_nan,

@@ -806,7 +806,7 @@ class FusedLayer:
 
     def single_launcher(self, scratch, batch, input_size, state_size, x_dtype):
         """forward_single for these sizes, its fixed arguments worked out once (a driver keeps it).
-        Measured: bench/results/cpu-kernel-notes.md#a-call-like-the-last-one-2026-11-29-fifth-session"""
+        Measured: bench/results/cpu-kernel-notes.md#a-call-like-the-last-one"""
         N, K, H, tiles, scalar = batch, input_size, state_size, scratch.tiles, self.dtype.type
         # no columns: the kernel takes row_dots (note above DOT_SAMPLES), which reads x as
         # the layer's dtype (the columns' packing converts any other)

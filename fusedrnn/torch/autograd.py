@@ -49,8 +49,8 @@ def to_array(tensor):
         return cupy.from_dlpack(tensor)
     if tensor.device.type != "cpu":
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
-    # (a CPU tensor's numpy view shares its memory as DLPack's does, at a fraction of
-    # its cost per call: bench/results/torch-modules.md#the-crossing-per-call)
+    # (a CPU tensor's numpy view shares its memory as DLPack's does, and costs less per
+    # call: bench/results/torch-modules.md#the-crossing-per-call)
     tensor = tensor.resolve_neg()   # (numpy has no negative bit; DLPack ignored it)
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_ml_dtypes().bfloat16)
