@@ -1,13 +1,15 @@
 """fusedrnn.RNN on torch tensors as two torch operators (fusedrnn::rnn, whose autograd
-formula calls fusedrnn::rnn_backward), and the tensor <-> array crossing they use (no
-copies: numpy's views on the CPU, DLPack on CUDA). Its own module so that modules.py can
-import `rnn` at its top without importing the package fusedrnn.torch, which imports
+formula calls fusedrnn::rnn_backward), which traced calls record, and an autograd.Function
+running the same bodies for eager CPU calls; and the tensor <-> array crossing they use
+(no copies: numpy's views on the CPU, DLPack on CUDA). Its own module so that modules.py
+can import `rnn` at its top without importing the package fusedrnn.torch, which imports
 modules.py.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 from typing import Optional, Tuple
 
@@ -41,17 +43,19 @@ def _arrays_hold(dtype, device):
 
 def to_array(tensor):
     """The numpy (CPU) or CuPy (CUDA) view of a tensor's memory; no copy when contiguous."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.device.type == "cuda":
+    if tensor.is_cuda:
         import cupy
         return cupy.from_dlpack(tensor)
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
     # (a CPU tensor's numpy view shares its memory as DLPack's does, and costs less per
     # call: bench/results/torch-modules.md#the-crossing-per-call)
-    tensor = tensor.resolve_neg()   # (numpy has no negative bit; DLPack ignored it)
+    if tensor.is_neg():   # (numpy has no negative bit; DLPack ignored it)
+        tensor = tensor.resolve_neg()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_ml_dtypes().bfloat16)
     return tensor.numpy()
@@ -98,23 +102,35 @@ class TorchHost:
 TORCH_HOST = TorchHost()
 
 
-@contextlib.contextmanager
-def _from_torch(tensor):
+class _from_torch:   # noqa: N801 (used as a function: `with _from_torch(data):`)
     """Around every call into the op: on torch's stream, and marked as a torch program's
     call (config.TORCH_CALLER: the CPU backend then runs its GEMMs on torch's threads and
-    keeps numpy's BLAS off torch's cores)."""
-    token = TORCH_CALLER.set(TORCH_HOST)
-    try:
+    keeps numpy's BLAS off torch's cores). A class, not a generator: a small call's
+    every microsecond counts (bench/results/torch-modules.md#the-crossing-per-call)."""
+
+    __slots__ = ("_tensor", "_token", "_inner")
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __enter__(self):
+        tensor = self._tensor
+        device = "cuda" if tensor.is_cuda else "cpu"
         # The op's own torch GEMMs (TorchHost) run in its float32, whatever autocast says.
-        device = tensor.device.type
-        with _same_stream(tensor), (torch.autocast(device, enabled=False)
-                                    if torch.is_autocast_enabled(device) else _NOTHING):
-            yield
-    finally:
-        TORCH_CALLER.reset(token)
+        inner = ((_same_stream(tensor),) if tensor.is_cuda else ()) + (
+            (torch.autocast(device, enabled=False),) if torch.is_autocast_enabled(device)
+            else ())
+        for context in inner:
+            context.__enter__()
+        self._inner = inner
+        self._token = TORCH_CALLER.set(TORCH_HOST)
+        return self
 
-
-_NOTHING = contextlib.nullcontext()
+    def __exit__(self, *exc):
+        TORCH_CALLER.reset(self._token)
+        for context in reversed(self._inner):
+            context.__exit__(*exc)
+        return False
 
 
 def _same_stream(tensor):
@@ -143,10 +159,11 @@ class _StreamHandle:
 # ---- the operators: fusedrnn::rnn and fusedrnn::rnn_backward ----------------------------
 # Registered with torch.library, each with a fake implementation (shapes only), so that
 # torch.compile(fullgraph=True) and torch.export trace them as single nodes and never look
-# inside (where DLPack needs real memory); eager calls run the same operators. A training
-# forward's reserve cannot leave an operator, so the forward returns `key`, a one-element
-# int64 tensor naming its TrainingHandle in _HANDLES; the handle is released when the key
-# tensor is freed (with the autograd graph that saved it).
+# inside (where DLPack needs real memory); eager CUDA calls run them too (eager CPU calls:
+# _EagerRNN below, the same bodies). A training forward's reserve cannot leave an
+# operator, so the forward returns `key`, a one-element int64 tensor naming its
+# TrainingHandle in _HANDLES; the handle is released when the key tensor is freed (with
+# the autograd graph that saved it).
 _HANDLES = {}
 _next_key = itertools.count(1)
 
@@ -168,10 +185,54 @@ def _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size, 
                 seed=None if seed < 0 else seed, _stored_as=stored_as or None)
 
 
+def _keep(handle, owner):
+    """Register a training forward's handle; it is released when `owner` is freed (with
+    the autograd graph that holds it). Returns the handle's number in _HANDLES."""
+    number = next(_next_key)
+    _HANDLES[number] = handle
+    weakref.finalize(owner, _release, number)
+    return number
+
+
 def _release(key):
     handle = _HANDLES.pop(key, None)
     if handle is not None:
         handle.release()
+
+
+def _forward(data, parameters, state, state_cell, lengths, config):
+    """Both forwards' body (the operator's and the eager Function's): (out, hy, cy,
+    handle), cy empty for cells without a cell state, handle None unless training."""
+    kwargs = _op_kwargs(*config)
+    arrays = [None if t is None else to_array(t)
+              for t in (data, parameters, state, state_cell, lengths)]
+    with _from_torch(data):
+        result = op.RNN(*arrays, state_outputs=True, **kwargs)
+    cy = result[2] if CELLS[kwargs["mode"]].has_cell_state else None
+    return (to_tensor(result[0]), to_tensor(result[1]),
+            to_tensor(cy) if cy is not None else data.new_empty(0),
+            result[-1] if kwargs["train"] else None)
+
+
+def _backward(handle, heads, data, parameters, state, state_cell, lengths, config):
+    """Both backwards' body: gradients (data, parameters, state, state_cell) of the forward
+    `handle` kept (empty tensors for absent states). A forward without a handle (inference
+    mode) is recomputed in training mode first, without dropout."""
+    kwargs = _op_kwargs(*config)
+    with _from_torch(data):
+        if handle is None:
+            arrays = [None if t is None else to_array(t)
+                      for t in (data, parameters, state, state_cell, lengths)]
+            kwargs.update(train=True, p=0.0)
+            handle = op.RNN(*arrays, state_outputs=True, **kwargs)[-1]
+        heads = [None if g is None else to_array(g) for g in heads]
+        if not CELLS[kwargs["mode"]].has_cell_state:
+            heads[2] = None
+        # retain: a second backward (retain_graph=True) reads the same record and masks
+        grads = op.rnn_backward(handle, *heads, retain=True)
+    return (to_tensor(grads.data), to_tensor(grads.parameters),
+            to_tensor(grads.state) if state is not None else data.new_empty(0),
+            to_tensor(grads.state_cell) if state_cell is not None else data.new_empty(0))
 
 
 @torch.library.custom_op("fusedrnn::rnn", mutates_args=())
@@ -184,20 +245,14 @@ def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
     """(out, hy, cy, key): cy empty for cells without a cell state; key names the
     training handle (0: none, an inference forward). stored_as: op.RNN's _stored_as, ""
     for none."""
-    kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
-                        clip_min, clip_max, clip_nan, use_lengths, train, seed, stored_as)
-    arrays = [None if t is None else to_array(t)
-              for t in (data, parameters, state, state_cell, lengths)]
-    with _from_torch(data):
-        result = op.RNN(*arrays, state_outputs=True, **kwargs)
+    out, hy, cy, handle = _forward(data, parameters, state, state_cell, lengths,
+                                   (mode, state_size, num_layers, bidirectional, p,
+                                    projection_size, clip_min, clip_max, clip_nan,
+                                    use_lengths, train, seed, stored_as))
     key = torch.zeros(1, dtype=torch.int64)
-    if train:
-        key[0] = number = next(_next_key)
-        _HANDLES[number] = result[-1]
-        weakref.finalize(key, _release, number)
-    cy = result[2] if CELLS[mode].has_cell_state else None
-    return (to_tensor(result[0]), to_tensor(result[1]),
-            to_tensor(cy) if cy is not None else data.new_empty(0), key)
+    if handle is not None:
+        key[0] = _keep(handle, key)
+    return out, hy, cy, key
 
 
 def _refuse_onnx_export():
@@ -231,26 +286,11 @@ def rnn_backward_op(key: Tensor, dout: Optional[Tensor], dhy: Optional[Tensor],
                     clip_min: Optional[float], clip_max: Optional[float], clip_nan: bool,
                     use_lengths: bool, train: bool, seed: int, stored_as: str
                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (data, parameters, state, state_cell) of the forward `key` names (empty
-    tensors for absent states). A forward without a handle (inference mode) is recomputed
-    in training mode first, without dropout."""
-    kwargs = _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size,
-                        clip_min, clip_max, clip_nan, use_lengths, train, seed, stored_as)
-    with _from_torch(data):
-        handle = _HANDLES.get(int(key[0]))
-        if handle is None:
-            arrays = [None if t is None else to_array(t)
-                      for t in (data, parameters, state, state_cell, lengths)]
-            kwargs.update(train=True, p=0.0)
-            handle = op.RNN(*arrays, state_outputs=True, **kwargs)[-1]
-        heads = [None if g is None else to_array(g) for g in (dout, dhy, dcy)]
-        if not CELLS[mode].has_cell_state:
-            heads[2] = None
-        # retain: a second backward (retain_graph=True) reads the same record and masks
-        grads = op.rnn_backward(handle, *heads, retain=True)
-    return (to_tensor(grads.data), to_tensor(grads.parameters),
-            to_tensor(grads.state) if state is not None else data.new_empty(0),
-            to_tensor(grads.state_cell) if state_cell is not None else data.new_empty(0))
+    """Gradients (data, parameters, state, state_cell) of the forward `key` names: _backward."""
+    return _backward(_HANDLES.get(int(key[0])), (dout, dhy, dcy), data, parameters, state,
+                     state_cell, lengths, (mode, state_size, num_layers, bidirectional, p,
+                                           projection_size, clip_min, clip_max, clip_nan,
+                                           use_lengths, train, seed, stored_as))
 
 
 @rnn_backward_op.register_fake
@@ -292,10 +332,95 @@ rnn_backward_op.register_autograd(_no_double_backward,
                                   setup_context=lambda ctx, inputs, output: None)
 
 
+# ---- eager calls: the same bodies without the operators' dispatch ---------------------
+# An eager call on plain tensors, outside any tracer, mode or functorch transform, runs
+# the bodies directly (no gradient to record) or through _EagerRNN (an autograd.Function):
+# the operator's dispatch costs more than a small call's whole op.
+# Measured: bench/results/torch-modules.md#eager-calls-without-the-operators-dispatch
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(tensors):
+    """Whether a call on these tensors (data first) runs eagerly: plain CPU tensors, nothing
+    tracing. (CUDA calls keep the operator until a GPU session has timed the eager path.)"""
+    return (tensors[0].is_cpu and _untraced()
+            and all(t is None or type(t) in _PLAIN for t in tensors))
+
+
+def _untraced():
+    """Whether nothing is tracing or intercepting torch's calls here (a torch.compile or
+    torch.export trace, torch.jit.trace, a dispatch or torch-function mode such as
+    FakeTensorMode, a torch.func transform): such a call needs the operator."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def views_reach(data):
+    """Whether a call on `data` (a module's) may take the module's flat tensor as it is,
+    with the parameters that are views of it (rnn's `_views`): it runs eagerly (_call) and
+    casts no parameter (no autocast, and a dtype the arrays hold)."""
+    return (_eager((data,)) and not torch.is_autocast_enabled("cpu")
+            and (data.dtype != torch.bfloat16 or _arrays_hold(data.dtype, data.device)))
+
+
+class _EagerRNN(torch.autograd.Function):
+    """fusedrnn::rnn's autograd formula for eager calls: the same forward and backward.
+    With `views` (parameter tensors that are views of `parameters`, at `spans`: (offset,
+    shape) each), the parameters' gradient goes to them, in pieces, as a module's
+    parameters would receive it through its joined copy (`weight`), without the copy."""
+
+    @staticmethod
+    def forward(ctx, data, parameters, state, state_cell, lengths, config, spans, *views):
+        out, hy, cy, handle = _forward(data, parameters, state, state_cell, lengths, config)
+        ctx.config, ctx.spans = config, spans
+        ctx.number = 0 if handle is None else _keep(handle, ctx)
+        # (as _rnn_setup; the views for their version counters: an in-place change of a
+        # parameter before backward raises there, as with torch.nn)
+        ctx.save_for_backward(data, parameters, state, state_cell, lengths, *views)
+        ctx.set_materialize_grads(False)
+        return out, hy, cy
+
+    @staticmethod
+    def backward(ctx, dout, dhy, dcy):
+        data, parameters, state, state_cell, lengths = ctx.saved_tensors[:5]
+        if dout is None and dhy is None and dcy is None:   # no gradient reached any output
+            return (None,) * (7 + len(ctx.spans))
+        if torch.is_grad_enabled():   # create_graph=True: the operator, which refuses a second
+            grads = torch.ops.fusedrnn.rnn_backward(
+                torch.full((1,), ctx.number, dtype=torch.int64), dout, dhy, dcy, data,
+                parameters, state, state_cell, lengths, *ctx.config)
+        else:
+            grads = _backward(_HANDLES.get(ctx.number), (dout, dhy, dcy), data, parameters,
+                              state, state_cell, lengths, ctx.config)
+        g_params = grads[1]
+        return (grads[0], None if ctx.spans else g_params,
+                grads[2] if state is not None else None,
+                grads[3] if state_cell is not None else None, None, None, None,
+                *(g_params[offset:offset + math.prod(shape)].view(shape)
+                  for offset, shape in ctx.spans))
+
+
+def _call(tensors, config, needs_grad, views=None):
+    """(out, hy, cy) of fusedrnn::rnn on tensors (data, parameters, state, state_cell,
+    lengths) with the operator's flat config: eager on plain tensors, else the operator.
+    views: rnn's `_views` (its caller checked views_reach)."""
+    if views is not None or _eager(tensors):
+        if needs_grad:
+            spans, params = views if views is not None else ((), ())
+            return _EagerRNN.apply(*tensors, config, spans, *params)
+        out, hy, cy, handle = _forward(*tensors, config)
+        if handle is not None:   # (dropout's masks drawn in training mode, no backward)
+            handle.release()
+        return out, hy, cy
+    return torch.ops.fusedrnn.rnn(*tensors, *config)[:3]
+
+
 def _autocast(*tensors):
     """Under torch.autocast for data's device, the float32 tensors in autocast's dtype (as
     torch.nn's RNNs run there); float64 is left alone, as autocast does."""
-    device = tensors[0].device.type
+    device = "cuda" if tensors[0].is_cuda else "cpu"   # (others: to_array refuses them)
     if not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
@@ -304,18 +429,24 @@ def _autocast(*tensors):
 
 
 def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
-        state_outputs=False, train=None, _stored_as="", **kwargs):
+        state_outputs=False, train=None, _stored_as="", _views=None, **kwargs):
     """fusedrnn.RNN for torch tensors, differentiable with torch.autograd.
 
     `train` is training mode: dropout applies and, when autograd will need a backward,
     the forward keeps what backward reads. It defaults to whether autograd needs one. In
-    inference mode (train=False) a backward still works: it recomputes the forward."""
+    inference mode (train=False) a backward still works: it recomputes the forward.
+    _views (a module's): (spans, tensors) where `parameters` is a flat tensor the tensors
+    are views of, at spans ((offset, shape) each): its gradient goes to them (_EagerRNN);
+    the caller has checked views_reach(data)."""
+    where = data.get_device()   # (-1: the CPU; an int, not a device object: per-call cost)
     for name, value in (("parameters", parameters), ("state", state),
                         ("state_cell", state_cell), ("sequence_length", sequence_length)):
-        if value is not None and not isinstance(value, torch.Tensor):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like data, got "
                             f"{type(value).__module__}.{type(value).__name__}")
-        if value is not None and value.device != data.device:
+        if value.get_device() != where or value.is_cuda != data.is_cuda:
             raise ValueError(f"{name}: expected a tensor on data's device {data.device}, "
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):
@@ -323,7 +454,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     if torch.onnx.is_in_onnx_export():   # (traced shapes would fail check_config below)
         _refuse_onnx_export()
     data, parameters, state, state_cell = _autocast(data, parameters, state, state_cell)
-    if not _arrays_hold(data.dtype, data.device):
+    if data.dtype == torch.bfloat16 and not _arrays_hold(data.dtype, data.device):
         # bfloat16 the arrays cannot hold (on CUDA; on CPU without ml_dtypes): the same
         # float32 computation, with torch's casts (differentiable) on either side. On CUDA
         # the op is told what the data was (op.RNN's _stored_as): its products then run in
@@ -336,7 +467,8 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         outs = tuple(t.to(data.dtype) for t in outs)
         return outs if state_outputs else outs[0]
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (data, parameters, state, state_cell))
+        t is not None and t.requires_grad for t in (data, parameters, state, state_cell,
+                                                    *(_views[1] if _views else ())))
     train = needs_grad if train is None else train
     p = kwargs.get("p", 0.0)
     if train and isinstance(p, (int, float)) and p > 0 and kwargs.get("seed") is None:
@@ -357,16 +489,13 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         # no record is kept.
         # Measured: bench/results/torch-modules.md#training-mode-without-a-gradient
         train = False
-    config = dict(mode=kwargs["mode"], state_size=kwargs["state_size"],
-                  num_layers=kwargs["num_layers"], bidirectional=kwargs.get("bidirectional", False),
-                  p=p, projection_size=kwargs.get("projection_size") or 0,
-                  clip_min=kwargs.get("lstm_state_clip_min"),
-                  clip_max=kwargs.get("lstm_state_clip_max"),
-                  clip_nan=kwargs.get("lstm_state_clip_nan", False),
-                  use_lengths=kwargs.get("use_sequence_length", False), train=train,
-                  seed=-1 if kwargs.get("seed") is None else kwargs["seed"], stored_as=_stored_as)
-    out, hy, cy, _ = torch.ops.fusedrnn.rnn(data, parameters, state, state_cell, lengths,
-                                            *config.values())
+    config = (kwargs["mode"], kwargs["state_size"], kwargs["num_layers"],   # (_CONFIG's order)
+              kwargs.get("bidirectional", False), p, kwargs.get("projection_size") or 0,
+              kwargs.get("lstm_state_clip_min"), kwargs.get("lstm_state_clip_max"),
+              kwargs.get("lstm_state_clip_nan", False), kwargs.get("use_sequence_length", False),
+              train, -1 if kwargs.get("seed") is None else kwargs["seed"], _stored_as)
+    out, hy, cy = _call((data, parameters, state, state_cell, lengths), config, needs_grad,
+                        _views)
     if not state_outputs:
         return out
     return (out, hy, cy) if CELLS[kwargs["mode"]].has_cell_state else (out, hy)

@@ -6,10 +6,10 @@ PackedSequence and unbatched (T, I) input included; flatten_parameters() and
 all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...,
 _reverse, weight_hr_l0), by name and order, so state_dicts load both ways. They are views
 of one flat tensor in fusedrnn's layout (as torch.nn's are of cuDNN's buffer after
-flatten_parameters()), laid out again after .to(), a copy or unpickling: a call that
-records nothing for a backward passes that tensor as it is; a call that does, or one
-whose parameters were replaced since, joins them into fusedrnn's flat vector (`weight`,
-one copy).
+flatten_parameters()), laid out again after .to(), a copy or unpickling: a call passes
+that tensor as it is (an eager call that trains every parameter, with them, so their
+gradients reach them); any other call, or one whose parameters were replaced since, joins
+them into fusedrnn's flat vector (`weight`, one copy): _call_weight.
 Gradients are differentiable once: a second backward through them raises.
 Under torch.onnx.export (either exporter) the forward writes ONNX's own RNN / LSTM / GRU
 operators instead of calling fusedrnn's (onnx.py).
@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..config import CELLS, check_config
 from ..layout import BIAS_KINDS, ParamLayout
 from . import onnx as _onnx
-from .autograd import rnn
+from .autograd import rnn, views_reach
 
 
 def _mode_of(torch_class, nonlinearity=None):
@@ -86,14 +86,20 @@ class _FusedRNNBase(nn.Module):
     def weight(self):
         """The parameters as one flat vector in fusedrnn's (MXNet's) layout, built from
         them (differentiable: its gradient reaches each parameter)."""
-        views = self.views()
-        first = next(iter(views.values()))
-        pieces = []
-        for key, (_offset, shape) in sorted(self.layout.blocks.items(), key=lambda b: b[1][0]):
-            p = views.get(key)
-            pieces.append(p.reshape(-1) if p is not None else
-                          first.new_zeros(math.prod(shape)))
-        return torch.cat(pieces)
+        params = self._parameters
+        first = params[self._spans()[0][0]]
+        return torch.cat([params[name].reshape(-1) if name in params else
+                          first.new_zeros(size) for name, size in self._pieces()])
+
+    def _pieces(self):
+        """(torch name, size) of every block of the flat vector, in its order (a module
+        without bias has no parameters for the bias blocks, which count as zeros)."""
+        pieces = self.__dict__.get("_pieces_")
+        if pieces is None:
+            pieces = self.__dict__["_pieces_"] = tuple(
+                (self.layout.torch_name(*key), math.prod(shape)) for key, (_, shape) in
+                sorted(self.layout.blocks.items(), key=lambda b: b[1][0]))
+        return pieces
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -150,28 +156,53 @@ class _FusedRNNBase(nn.Module):
         flat = getattr(self, "_flat", None)   # (absent: a module pickled before it)
         if flat is None or torch.compiler.is_compiling():
             return None
-        base, size = flat.data_ptr(), flat.element_size()
-        for key, p in self.views().items():
-            offset, shape = self.layout.blocks[key]
-            if p.dtype != flat.dtype or p.device != flat.device or p.shape != shape or \
-                    not p.is_contiguous() or p.data_ptr() != base + offset * size:
+        base, size, params = flat.data_ptr(), flat.element_size(), self._parameters
+        dtype, cuda = flat.dtype, flat.is_cuda   # (a device's pointers are its own)
+        for name, offset, shape in self._spans():
+            p = params[name]
+            if p.data_ptr() != base + offset * size or p.shape != shape or \
+                    not p.is_contiguous() or p.dtype != dtype or p.is_cuda != cuda:
                 self._flat = None   # (not to hold a replaced parameter's old memory)
                 return None
         return flat
 
-    def _call_weight(self, *inputs):
-        """The flat parameter vector for a call: the one the parameters are views of where
-        the call records nothing for a backward (grad mode off, or neither a parameter nor
-        any of `inputs` requires grad: the values are theirs, no copy), else `weight`.
-        (A backward reads the vector saved at the forward, and torch's check that nothing
-        changed it in place since sees the vector's version, not the parameters'.)"""
-        if not torch.is_grad_enabled() or not any(
-                t is not None and t.requires_grad
-                for t in (*inputs, *self.parameters())):
-            flat = self._flat_weight()
-            if flat is not None:
-                return flat
-        return self.weight
+    def _spans(self):
+        """(parameter name, offset, shape) of each parameter in the flat vector."""
+        spans = self.__dict__.get("_spans_")
+        if spans is None:
+            spans = self.__dict__["_spans_"] = tuple(
+                (self.layout.torch_name(*key), *self.layout.blocks[key]) for key in self._keys)
+        return spans
+
+    def _call_weight(self, data, *states):
+        """(the flat parameter vector for a call on `data`, rnn's `_views`):
+        - a call that records nothing for a backward (grad mode off, or nothing requires
+          grad) passes the flat tensor the parameters are views of, as it is;
+        - one whose gradient reaches every parameter, eager and casting nothing
+          (autograd.views_reach), passes it with them: their gradients go to them in
+          pieces (the copy below and its backward cost a small call more than its op);
+        - any other (a frozen or partly frozen module, a traced call, a cast, parameters
+          replaced since flatten_parameters) passes `weight`, their joined copy. (Its
+          backward reads the copy: a frozen parameter changed in place before backward
+          leaves the gradient as computed.)
+        Measured: bench/results/torch-modules.md#eager-calls-without-the-operators-dispatch"""
+        flat, params = self._flat_weight(), self._parameters
+        if torch.is_grad_enabled():
+            trained = [p.requires_grad for p in params.values()]
+            if any(trained) or any(t is not None and t.requires_grad for t in (data, *states)):
+                if flat is not None and all(trained) and views_reach(data):
+                    spans = self._spans()
+                    return flat, (self._view_spans(), tuple(params[name] for name, _, _ in spans))
+                return self.weight, None
+        return (flat if flat is not None else self.weight), None
+
+    def _view_spans(self):
+        """(offset, shape) of each parameter in the flat vector, in _spans' order."""
+        spans = self.__dict__.get("_view_spans_")
+        if spans is None:
+            spans = self.__dict__["_view_spans_"] = tuple(
+                (offset, tuple(shape)) for _, offset, shape in self._spans())
+        return spans
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
@@ -247,8 +278,9 @@ class _FusedRNNBase(nn.Module):
         if exporting:   # torch.onnx.export: ONNX's own operators (fusedrnn/torch/onnx.py)
             outs = _onnx.forward(self, data, h0, c0 if has_cell else None, lengths)
         else:
-            outs = rnn(data, self._call_weight(data, h0, c0), h0, c0 if has_cell else None,
-                       lengths if packed else None, state_outputs=True, train=self.training,
+            weight, views = self._call_weight(data, h0, c0)
+            outs = rnn(data, weight, h0, c0 if has_cell else None, lengths if packed else None,
+                       _views=views, state_outputs=True, train=self.training,
                        mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
                        bidirectional=self.bidirectional, p=self.dropout,
                        projection_size=self.proj_size or None, use_sequence_length=packed)

@@ -2,6 +2,8 @@
 (float64 and float32, up to 3 layers) and on torch tensors, where DLPack passes them
 without copies and torch.autograd's gradients equal torch.nn's; gradcheck, and backward
 after an inference-mode forward (which cuDNN refuses)."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -293,3 +295,34 @@ def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch):
         grads.append(x.grad)
     assert True in calls and False in calls, calls   # weight and input gradients
     assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+class _Intercept(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that changes nothing: under it (as under a tracer or a
+    FakeTensorMode) a call takes the operator fusedrnn::rnn, not the eager Function."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_calls_and_the_operator_agree_exactly(mode):
+    """An eager call runs the operator's bodies without its dispatch (_EagerRNN); under a
+    mode it takes the operator. Both give the same outputs and gradients, bit for bit,
+    with gradients reaching every input, and in training mode with dropout."""
+    case, kw, heads = make_case(mode, L=2, D=2, seed=4)
+    results = []
+    for intercept in (False, True):
+        t = _tensors(case)
+        with _Intercept() if intercept else contextlib.nullcontext():
+            outs = ft.rnn(**t, **kw, p=0.3, seed=7, state_outputs=True)
+            node = type(outs[0].grad_fn).__name__
+            loss = sum((o * torch.from_numpy(heads[k])).sum()
+                       for o, k in zip(outs, ("dout", "dhy", "dcy")))
+            loss.backward()
+            with torch.no_grad():
+                inference = ft.rnn(**t, **kw, state_outputs=True)
+        assert (node == "_EagerRNNBackward") != intercept, node
+        results.append([*outs, *inference] + [t[k].grad for k in case if t[k] is not None])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -343,11 +343,13 @@ def test_a_call_without_gradients_reads_the_parameters_in_place_and_follows_each
     def check(module, flat):
         theirs.load_state_dict(module.state_dict())
         with torch.no_grad():
-            assert (module._call_weight() is module._flat) == flat
+            assert (module._call_weight(x)[0] is module._flat) == flat
             close(module(x)[0], theirs(x)[0])
 
     check(ours, True)
-    assert ours._call_weight().grad_fn is not None   # with gradients: the joined copy
+    # with gradients: the flat tensor too, the parameters beside it (their gradients' way)
+    weight, views = ours._call_weight(x)
+    assert weight is ours._flat and all(a is b for a, b in zip(views[1], ours.parameters()))
     torch.optim.SGD(ours.parameters(), lr=0.5).zero_grad()
     (ours(x)[0] ** 2).sum().backward()
     torch.optim.SGD(ours.parameters(), lr=0.5).step()
@@ -383,7 +385,7 @@ def test_frozen_parameters_changed_before_the_backward_leave_the_gradient_as_com
     ours.requires_grad_(False)
     torch.manual_seed(2)
     x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
-    assert ours._call_weight(x) is not ours._flat
+    assert ours._call_weight(x)[0] is not ours._flat
     (ours(x)[0] ** 2).sum().backward()
     want = x.grad.clone()
     x.grad = None
@@ -393,3 +395,36 @@ def test_frozen_parameters_changed_before_the_backward_leave_the_gradient_as_com
             p.mul_(0.5)
     (out ** 2).sum().backward()
     close(x.grad, want)
+
+
+@pytest.mark.parametrize("mode", list(CLASSES))
+def test_a_trained_modules_gradients_reach_its_parameters_without_the_joined_copy(mode):
+    """A call whose gradient reaches every parameter passes the flat tensor the
+    parameters are views of, with them (no joined copy): their gradients are those of the
+    joined copy's path (a frozen layer's, here), bit for bit, and torch.nn's. An in-place
+    change of a parameter before backward then raises, as torch.nn's does."""
+    kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True)
+    if CELLS[mode].projection:
+        kw["proj_size"] = 2
+    theirs, ours = pair(mode, **kw)
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for frozen in (False, True):
+        ours.zero_grad(set_to_none=True)
+        next(iter(ours.parameters())).requires_grad_(not frozen)
+        weight, views = ours._call_weight(x)
+        assert (weight is ours._flat and views is not None) != frozen
+        (ours(x)[0] ** 2).sum().backward()
+        grads.append({k: p.grad for k, p in ours.named_parameters() if p.grad is not None})
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, rtol=0, atol=0)
+    (theirs(x)[0] ** 2).sum().backward()
+    for name, p in theirs.named_parameters():
+        close(grads[0][name], p.grad)
+    ours.requires_grad_(True)
+    for module in (theirs, ours):
+        out = module(x)[0]
+        with torch.no_grad():
+            module.weight_hh_l0.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
