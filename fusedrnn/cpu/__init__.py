@@ -66,6 +66,10 @@ OUTER_OWN_ELEMENTS = 1 << 13
 # An op with no GEMM or gemv past this enters no BLAS scope: OpenBLAS runs those on one thread.
 # Measured: bench/results/cpu-kernel-notes.md#threads-no-blas-scope-for-the-smallest-ops
 BLAS_SERIAL_WORK = 1 << 13
+# A torch program's GEMMs of at most this many multiply-adds run on numpy's BLAS, which keeps
+# them on one thread (OpenBLAS's bound: no worker left spinning); torch's call cost more.
+# Measured: bench/results/cpu-kernel-notes.md#threads-a-torch-programs-small-gemms-on-numpy
+HOST_GEMM_WORK = 1 << 18
 
 
 def _own_product(a, b, out):
@@ -107,8 +111,7 @@ class CpuBackend:
     xp = np
 
     def for_call(self, config, seq_len, dtype):
-        """The backend an op of this kind runs on now: this one where its fused kernels are
-        ready, else the first tier while they compile (warm.py)."""
+        """This backend where the op's fused kernels are ready, else the first tier (warm.py)."""
         host = TORCH_CALLER.get()   # (a torch program that asked for deterministic results
         deterministic = host is not None and host.deterministic()   # gets them from call 1)
         if host is not None:   # (once a process: heap.py)
@@ -132,8 +135,7 @@ class CpuBackend:
 
     @staticmethod
     def pair_projection(rows):
-        """Never: the fused layers project their own input; the step path's projection
-        (op.project_input) stays float32."""
+        """Never: fused layers project their own input; the step path's stays float32."""
         return False
 
     @staticmethod
@@ -166,14 +168,13 @@ class CpuBackend:
     @staticmethod
     def matmul(a, b, out, transpose_a=False, pairs=None, a_paired=False, half="bfloat16"):
         """out = a @ b, or a^T @ b: the op's large GEMMs. a @ b of OWN_GEMM_WORK or more
-        multiply-adds runs on the micro-kernel where own_gemm; the rest on numpy's BLAS, or
-        in a torch program on torch's GEMM and pool (OpenBLAS's spinning threads took a core
-        from its ops; one thread is slow), a large float32 a^T @ b (OWN_GRADIENT_*) on the
-        micro-kernel after torch's transposing copy; a^T @ b over one row (an outer product)
-        outside a torch program on the micro-kernel from OUTER_OWN_ELEMENTS, else numpy's
-        multiply; numpy's inside BLAS_IN_PARTS, PARTS_WORK or more, in parts on helper
-        threads. With `pairs` (pair_scratch's uint32s, where pair_products; `half`:
-        bfloat16) on bfloat16 pairs; a_paired: `pairs` still holds a's pairs.
+        multiply-adds on the micro-kernel where own_gemm; the rest on numpy's BLAS (in parts
+        on helper threads in BLAS_IN_PARTS from PARTS_WORK), in a torch program past
+        HOST_GEMM_WORK on torch's GEMM and pool (OpenBLAS's spinning threads took a core from
+        its ops), a large float32 a^T @ b (OWN_GRADIENT_*) on the micro-kernel after torch's
+        transposing copy; an outer product (a^T @ b over one row) on the micro-kernel from
+        OUTER_OWN_ELEMENTS, else numpy's multiply. `pairs` (pair_scratch's uint32s, where
+        pair_products; half: bfloat16): on bfloat16 pairs; a_paired: `pairs` holds a's.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
         bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":
@@ -189,7 +190,7 @@ class CpuBackend:
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)
-        host = TORCH_CALLER.get()
+        host = TORCH_CALLER.get() if M * K * C > HOST_GEMM_WORK else None
         if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous and \
                 out.dtype in (np.float32, np.float64):
             # (numpy's matmul runs it in a scalar loop of its own; torch's mm is quick)

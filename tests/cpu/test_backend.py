@@ -2,9 +2,9 @@
 above OWN_GEMM_WORK and a^T @ b on numpy's BLAS (an outer product on the micro-kernel
 from OUTER_OWN_ELEMENTS, numpy's multiply below),
 each against float64 numpy into a NaN-poisoned output, at sizes on both sides of the
-threshold; in a torch program (config.TORCH_CALLER) everything but the micro-kernel's
-products on torch's GEMM, and large float32 weight gradients as torch's transpose, then
-the micro-kernel."""
+threshold; in a torch program (config.TORCH_CALLER) every product past HOST_GEMM_WORK but
+the micro-kernel's on torch's GEMM (smaller ones as in a numpy program), and large float32
+weight gradients as torch's transpose, then the micro-kernel."""
 import numpy as np
 import pytest
 
@@ -64,30 +64,35 @@ class StandIn:
         return False
 
 
-# case: (M, K, C, transpose_a, dtype, what runs)
+# case: (M, K, C, transpose_a, dtype, what runs); 65 * 64 * 64 is just past HOST_GEMM_WORK
 TORCH_CASES = {
-    "transposed": (21, 37, 17, True, np.float32, ["torch"]),
-    "outer product": (21, 1, 17, True, np.float32, ["torch"]),   # (torch's mm is quick)
-    "small": (21, 37, 17, False, np.float32, ["torch"]),
+    "transposed": (65, 64, 64, True, np.float32, ["torch"]),
+    "outer product": (1024, 1, 1024, True, np.float32, ["torch"]),   # (torch's mm is quick)
+    "medium": (65, 64, 64, False, np.float32, ["torch"]),
+    "at HOST_GEMM_WORK": (64, 64, 64, False, np.float32, []),   # numpy's
+    "small, transposed": (21, 37, 17, True, np.float32, []),
+    "small outer product": (21, 1, 17, True, np.float32, []),
     "large": (300, 3000, 301, False, np.float32, ["kernel"]),
     # a^T @ b at OWN_GRADIENT_* (512 * 2048 * 512 = 2^29): torch's transpose, our kernel
     "weight gradient": (512, 2048, 512, True, np.float32, ["transpose", "kernel"]),
     "weight gradient, narrow": (512, 4096, 256, True, np.float32, ["torch"]),
     "weight gradient, small": (512, 1024, 512, True, np.float32, ["torch"]),
     "weight gradient, float64": (512, 2048, 512, True, np.float64, ["torch"]),
-    "negative strides": (21, 37, 17, False, np.float32, []),
-    "read-only": (21, 37, 17, False, np.float32, []),
-    "mixed dtypes": (21, 37, 17, False, np.float32, []),
+    "negative strides": (65, 64, 64, False, np.float32, []),
+    "read-only": (65, 64, 64, False, np.float32, []),
+    "mixed dtypes": (65, 64, 64, False, np.float32, []),
 }
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
 def test_a_torch_programs_gemms_go_to_torch(monkeypatch, case):
     """With config.TORCH_CALLER holding torch's operations (a recording stand-in here),
-    every product the micro-kernel does not take goes to torch's GEMM, and a large
-    float32 weight gradient to torch's transpose and then the micro-kernel; numpy's BLAS
+    every product past HOST_GEMM_WORK the micro-kernel does not take goes to torch's GEMM,
+    and a large float32 weight gradient to torch's transpose and then the micro-kernel;
+    numpy's BLAS at HOST_GEMM_WORK or below (an outer product on numpy's multiply), and
     where torch.from_numpy could not view the arrays (negative strides, read-only) or
     their dtypes differ."""
+    assert 64 * 64 * 64 == cpu.HOST_GEMM_WORK
     M, K, C, transpose_a, dtype, expected = TORCH_CASES[case]
     rng = np.random.default_rng(2)
     wide = rng.standard_normal((K, M + 3) if transpose_a else (M, K)).astype(dtype)

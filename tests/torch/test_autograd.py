@@ -274,26 +274,33 @@ def test_torch_transpose_copies_a_strided_view():
     assert np.array_equal(out, a.T)
 
 
-def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch):
-    """In a fusedrnn.torch training step the CPU backend's GEMMs reach torch's GEMM
-    (CpuBackend.matmul's rule: every product below the micro-kernel's threshold), and
-    the gradients still equal torch.nn's."""
+@pytest.mark.parametrize("size", ["past HOST_GEMM_WORK", "small"])
+def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch, size):
+    """In a fusedrnn.torch training step the CPU backend's GEMMs past HOST_GEMM_WORK reach
+    torch's GEMM (CpuBackend.matmul's rule: every product below the micro-kernel's
+    threshold), a small step's stay on numpy's, and the gradients still equal torch.nn's."""
+    from fusedrnn.cpu import HOST_GEMM_WORK
     from fusedrnn.torch import autograd
+    T, N, I, H = (5, 3, 6, 7) if size == "small" else (8, 32, 64, 64)
+    assert (T * N * 4 * H * I > HOST_GEMM_WORK) == (size != "small")
     calls = []
     real = autograd.TorchHost.matmul
     monkeypatch.setattr(autograd.TorchHost, "matmul",
                         staticmethod(lambda *a: calls.append(a[3]) or real(*a)))
     torch.manual_seed(0)
-    ref = torch.nn.LSTM(6, 7, num_layers=2, bidirectional=True).double()
-    mine = ft.LSTM(6, 7, num_layers=2, bidirectional=True).double()
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True).double()
+    mine = ft.LSTM(I, H, num_layers=2, bidirectional=True).double()
     mine.load_state_dict(ref.state_dict())
     grads = []
     for m in (ref, mine):
-        x = torch.randn(5, 3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
-                        requires_grad=True)
+        x = torch.randn(T, N, I, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(1), requires_grad=True)
         m(x)[0].square().sum().backward()
         grads.append(x.grad)
-    assert True in calls and False in calls, calls   # weight and input gradients
+    if size == "small":
+        assert calls == []
+    else:
+        assert True in calls and False in calls, calls   # weight and input gradients
     assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
