@@ -66,8 +66,8 @@ OUTER_OWN_ELEMENTS = 1 << 13
 # An op with no GEMM or gemv past this enters no BLAS scope: OpenBLAS runs those on one thread.
 # Measured: bench/results/cpu-kernel-notes.md#threads-no-blas-scope-for-the-smallest-ops
 BLAS_SERIAL_WORK = 1 << 13
-# A torch program's GEMMs of at most this many multiply-adds run on numpy's BLAS, which keeps
-# them on one thread (OpenBLAS's bound: no worker left spinning); torch's call cost more.
+# A torch program's GEMMs of at most this many multiply-adds (gemvs: BLAS_SERIAL_WORK) run on
+# numpy's BLAS, which keeps them on one thread (OpenBLAS's bounds); torch's call cost more.
 # Measured: bench/results/cpu-kernel-notes.md#threads-a-torch-programs-small-gemms-on-numpy
 HOST_GEMM_WORK = 1 << 18
 
@@ -190,7 +190,9 @@ class CpuBackend:
         if not transpose_a and M * K * C >= OWN_GEMM_WORK and own_gemm(out.dtype) and same \
                 and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous:
             return _own_product(a, b, out)
-        host = TORCH_CALLER.get() if M * K * C > HOST_GEMM_WORK else None
+        gemv = min(M, C) == 1 and K > 1
+        host = TORCH_CALLER.get() if M * K * C > (
+            BLAS_SERIAL_WORK if gemv else HOST_GEMM_WORK) else None
         if host is None and transpose_a and K == 1 and same and out.flags.c_contiguous and \
                 out.dtype in (np.float32, np.float64):
             # (numpy's matmul runs it in a scalar loop of its own; torch's mm is quick)

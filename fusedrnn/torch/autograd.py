@@ -357,11 +357,11 @@ def _untraced():
                 or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
-def views_reach(data):
-    """Whether a call on `data` (a module's) may take the module's flat tensor as it is,
-    with the parameters that are views of it (rnn's `_views`): it runs eagerly (_call) and
-    casts no parameter (no autocast, and a dtype the arrays hold)."""
-    return (_eager((data,)) and not torch.is_autocast_enabled("cpu")
+def views_reach(data, *states):
+    """Whether a call on `data` and `states` (a module's) may take the module's flat tensor
+    as it is, with the parameters that are views of it (rnn's `_views`): it runs eagerly
+    (_call) and casts no parameter (no autocast, and a dtype the arrays hold)."""
+    return (_eager((data, *states)) and not torch.is_autocast_enabled("cpu")
             and (data.dtype != torch.bfloat16 or _arrays_hold(data.dtype, data.device)))
 
 
@@ -375,24 +375,27 @@ class _EagerRNN(torch.autograd.Function):
     def forward(ctx, data, parameters, state, state_cell, lengths, config, spans, *views):
         out, hy, cy, handle = _forward(data, parameters, state, state_cell, lengths, config)
         ctx.config, ctx.spans = config, spans
-        ctx.number = 0 if handle is None else _keep(handle, ctx)
+        # The handle lives as long as a saved key, as the operator's: freed by the backward
+        # (or at once where torch.utils.checkpoint saves nothing, recomputing at backward).
+        key = torch.zeros(1, dtype=torch.int64)
+        if handle is not None:
+            key[0] = _keep(handle, key)
         # (as _rnn_setup; the views for their version counters: an in-place change of a
         # parameter before backward raises there, as with torch.nn)
-        ctx.save_for_backward(data, parameters, state, state_cell, lengths, *views)
+        ctx.save_for_backward(key, data, parameters, state, state_cell, lengths, *views)
         ctx.set_materialize_grads(False)
         return out, hy, cy
 
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
-        data, parameters, state, state_cell, lengths = ctx.saved_tensors[:5]
+        key, data, parameters, state, state_cell, lengths = ctx.saved_tensors[:6]
         if dout is None and dhy is None and dcy is None:   # no gradient reached any output
             return (None,) * (7 + len(ctx.spans))
         if torch.is_grad_enabled():   # create_graph=True: the operator, which refuses a second
-            grads = torch.ops.fusedrnn.rnn_backward(
-                torch.full((1,), ctx.number, dtype=torch.int64), dout, dhy, dcy, data,
-                parameters, state, state_cell, lengths, *ctx.config)
+            grads = torch.ops.fusedrnn.rnn_backward(key, dout, dhy, dcy, data, parameters,
+                                                    state, state_cell, lengths, *ctx.config)
         else:
-            grads = _backward(_HANDLES.get(ctx.number), (dout, dhy, dcy), data, parameters,
+            grads = _backward(_HANDLES.get(int(key[0])), (dout, dhy, dcy), data, parameters,
                               state, state_cell, lengths, ctx.config)
         g_params = grads[1]
         return (grads[0], None if ctx.spans else g_params,
@@ -438,7 +441,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     _views (a module's): (spans, tensors) where `parameters` is a flat tensor the tensors
     are views of, at spans ((offset, shape) each): its gradient goes to them (_EagerRNN);
     the caller has checked views_reach(data)."""
-    where = data.get_device()   # (-1: the CPU; an int, not a device object: per-call cost)
+    where = data.get_device()   # (an int, not a device object; -1 for the CPU and meta alike)
     for name, value in (("parameters", parameters), ("state", state),
                         ("state_cell", state_cell), ("sequence_length", sequence_length)):
         if value is None:
@@ -446,7 +449,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like data, got "
                             f"{type(value).__module__}.{type(value).__name__}")
-        if value.get_device() != where or value.is_cuda != data.is_cuda:
+        if value.get_device() != where or value.is_cpu != data.is_cpu:
             raise ValueError(f"{name}: expected a tensor on data's device {data.device}, "
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):

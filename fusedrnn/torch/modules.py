@@ -6,10 +6,11 @@ PackedSequence and unbatched (T, I) input included; flatten_parameters() and
 all_weights. The parameters are torch.nn's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...,
 _reverse, weight_hr_l0), by name and order, so state_dicts load both ways. They are views
 of one flat tensor in fusedrnn's layout (as torch.nn's are of cuDNN's buffer after
-flatten_parameters()), laid out again after .to(), a copy or unpickling: a call passes
-that tensor as it is (an eager call that trains every parameter, with them, so their
-gradients reach them); any other call, or one whose parameters were replaced since, joins
-them into fusedrnn's flat vector (`weight`, one copy): _call_weight.
+flatten_parameters()), laid out again after .to(), a copy or unpickling: a call that
+records nothing for a backward passes that tensor as it is, and so does an eager CPU call
+that trains every parameter (with them, so their gradients reach them); any other call,
+or one whose parameters were replaced since, joins them into fusedrnn's flat vector
+(`weight`, one copy): _call_weight.
 Gradients are differentiable once: a second backward through them raises.
 Under torch.onnx.export (either exporter) the forward writes ONNX's own RNN / LSTM / GRU
 operators instead of calling fusedrnn's (onnx.py).
@@ -86,19 +87,21 @@ class _FusedRNNBase(nn.Module):
     def weight(self):
         """The parameters as one flat vector in fusedrnn's (MXNet's) layout, built from
         them (differentiable: its gradient reaches each parameter)."""
-        params = self._parameters
-        first = params[self._spans()[0][0]]
-        return torch.cat([params[name].reshape(-1) if name in params else
-                          first.new_zeros(size) for name, size in self._pieces()])
+        # (getattr: prune and parametrize serve a parameter as an attribute)
+        first = getattr(self, self._spans()[0][0])
+        return torch.cat([getattr(self, name).reshape(-1) if name else first.new_zeros(size)
+                          for name, size in self._pieces()])
 
     def _pieces(self):
-        """(torch name, size) of every block of the flat vector, in its order (a module
-        without bias has no parameters for the bias blocks, which count as zeros)."""
+        """(torch name, size) of every block of the flat vector, in its order; the name
+        None for a bias block of a module without bias (no parameter: zeros)."""
         pieces = self.__dict__.get("_pieces_")
         if pieces is None:
+            keys = set(self._keys)
             pieces = self.__dict__["_pieces_"] = tuple(
-                (self.layout.torch_name(*key), math.prod(shape)) for key, (_, shape) in
-                sorted(self.layout.blocks.items(), key=lambda b: b[1][0]))
+                (self.layout.torch_name(*key) if key in keys else None, math.prod(shape))
+                for key, (_, shape) in sorted(self.layout.blocks.items(),
+                                              key=lambda b: b[1][0]))
         return pieces
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -159,8 +162,8 @@ class _FusedRNNBase(nn.Module):
         base, size, params = flat.data_ptr(), flat.element_size(), self._parameters
         dtype, cuda = flat.dtype, flat.is_cuda   # (a device's pointers are its own)
         for name, offset, shape in self._spans():
-            p = params[name]
-            if p.data_ptr() != base + offset * size or p.shape != shape or \
+            p = params.get(name)   # (None: pruned or parametrized, an attribute now)
+            if p is None or p.data_ptr() != base + offset * size or p.shape != shape or \
                     not p.is_contiguous() or p.dtype != dtype or p.is_cuda != cuda:
                 self._flat = None   # (not to hold a replaced parameter's old memory)
                 return None
@@ -188,9 +191,9 @@ class _FusedRNNBase(nn.Module):
         Measured: bench/results/torch-modules.md#eager-calls-without-the-operators-dispatch"""
         flat, params = self._flat_weight(), self._parameters
         if torch.is_grad_enabled():
-            trained = [p.requires_grad for p in params.values()]
+            trained = [p.requires_grad for p in params.values() if p is not None]
             if any(trained) or any(t is not None and t.requires_grad for t in (data, *states)):
-                if flat is not None and all(trained) and views_reach(data):
+                if flat is not None and all(trained) and views_reach(data, *states):
                     spans = self._spans()
                     return flat, (self._view_spans(), tuple(params[name] for name, _, _ in spans))
                 return self.weight, None

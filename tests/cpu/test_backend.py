@@ -72,6 +72,10 @@ TORCH_CASES = {
     "at HOST_GEMM_WORK": (64, 64, 64, False, np.float32, []),   # numpy's
     "small, transposed": (21, 37, 17, True, np.float32, []),
     "small outer product": (21, 1, 17, True, np.float32, []),
+    # a gemv (one row or column) from BLAS_SERIAL_WORK (OpenBLAS may thread gemvs from 9216)
+    "gemv": (1, 128, 128, False, np.float32, ["torch"]),
+    "gemv, transposed": (128, 128, 1, True, np.float32, ["torch"]),
+    "gemv at BLAS_SERIAL_WORK": (1, 64, 128, False, np.float32, []),
     "large": (300, 3000, 301, False, np.float32, ["kernel"]),
     # a^T @ b at OWN_GRADIENT_* (512 * 2048 * 512 = 2^29): torch's transpose, our kernel
     "weight gradient": (512, 2048, 512, True, np.float32, ["transpose", "kernel"]),
@@ -89,10 +93,11 @@ def test_a_torch_programs_gemms_go_to_torch(monkeypatch, case):
     """With config.TORCH_CALLER holding torch's operations (a recording stand-in here),
     every product past HOST_GEMM_WORK the micro-kernel does not take goes to torch's GEMM,
     and a large float32 weight gradient to torch's transpose and then the micro-kernel;
-    numpy's BLAS at HOST_GEMM_WORK or below (an outer product on numpy's multiply), and
+    numpy's BLAS at HOST_GEMM_WORK or below (a gemv: BLAS_SERIAL_WORK; an outer product on
+    numpy's multiply), and
     where torch.from_numpy could not view the arrays (negative strides, read-only) or
     their dtypes differ."""
-    assert 64 * 64 * 64 == cpu.HOST_GEMM_WORK
+    assert 64 * 64 * 64 == cpu.HOST_GEMM_WORK and 64 * 128 == cpu.BLAS_SERIAL_WORK
     M, K, C, transpose_a, dtype, expected = TORCH_CASES[case]
     rng = np.random.default_rng(2)
     wide = rng.standard_normal((K, M + 3) if transpose_a else (M, K)).astype(dtype)

@@ -276,9 +276,9 @@ def test_torch_transpose_copies_a_strided_view():
 
 @pytest.mark.parametrize("size", ["past HOST_GEMM_WORK", "small"])
 def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch, size):
-    """In a fusedrnn.torch training step the CPU backend's GEMMs past HOST_GEMM_WORK reach
-    torch's GEMM (CpuBackend.matmul's rule: every product below the micro-kernel's
-    threshold), a small step's stay on numpy's, and the gradients still equal torch.nn's."""
+    """In a fusedrnn.torch training step the CPU backend's GEMMs past HOST_GEMM_WORK and
+    below the micro-kernel's threshold reach torch's GEMM (CpuBackend.matmul's rule), a
+    small step's stay on numpy's, and the gradients still equal torch.nn's."""
     from fusedrnn.cpu import HOST_GEMM_WORK
     from fusedrnn.torch import autograd
     T, N, I, H = (5, 3, 6, 7) if size == "small" else (8, 32, 64, 64)
@@ -326,10 +326,13 @@ def test_eager_calls_and_the_operator_agree_exactly(mode):
             node = type(outs[0].grad_fn).__name__
             loss = sum((o * torch.from_numpy(heads[k])).sum()
                        for o, k in zip(outs, ("dout", "dhy", "dcy")))
-            loss.backward()
+            loss.backward(retain_graph=True)
+            alone = torch.autograd.grad((outs[1] * torch.from_numpy(heads["dhy"])).sum(),
+                                        t["data"])   # (no gradient reaches out or cy)
             with torch.no_grad():
                 inference = ft.rnn(**t, **kw, state_outputs=True)
         assert (node == "_EagerRNNBackward") != intercept, node
-        results.append([*outs, *inference] + [t[k].grad for k in case if t[k] is not None])
+        results.append([*outs, *inference, *alone]
+                       + [t[k].grad for k in case if t[k] is not None])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

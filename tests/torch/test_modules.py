@@ -3,6 +3,7 @@ torch.nn (float64, <= 1e-10) for every mode, layers, directions, batch_first, pa
 input and projection, torch state_dicts loaded as they are, and the same training curve."""
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import fusedrnn.torch as ft
@@ -428,3 +429,31 @@ def test_a_trained_modules_gradients_reach_its_parameters_without_the_joined_cop
             module.weight_hh_l0.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("tool", ["prune", "weight_norm"])
+def test_pruned_and_parametrized_weights_as_torch_nn(tool):
+    """torch.nn.utils.prune and parametrize serve a parameter as an attribute computed from
+    others (it leaves the module's parameters): the module joins its weights from the
+    attributes, and gives torch.nn's outputs and gradients under the same tool, with
+    gradients and without."""
+    theirs, ours = pair("lstm", input_size=3, hidden_size=4, num_layers=2)
+    for module in (theirs, ours):
+        if tool == "prune":
+            torch.nn.utils.prune.l1_unstructured(module, "weight_hh_l0", amount=0.4)
+        else:
+            torch.nn.utils.parametrizations.weight_norm(module, "weight_ih_l1")
+    results = run_both(theirs, ours,
+                       lambda: torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True),
+                       cell=True)
+    for a, b in zip(*results):
+        for x, y in zip(a if isinstance(a, (tuple, list)) else [a],
+                        b if isinstance(b, (tuple, list)) else [b]):
+            close(x, y)
+    named = dict(ours.named_parameters())
+    assert named.keys() == dict(theirs.named_parameters()).keys()
+    for name, p in theirs.named_parameters():
+        close(named[name].grad, p.grad)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        close(ours(x)[0], theirs(x)[0])

@@ -115,9 +115,9 @@ def test_training_handles_are_released_with_their_graphs():
     loss = torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 5), targets.reshape(-1))
     assert len(fa._HANDLES) == before + 1          # one forward in training mode
     loss.backward()
-    del loss
     gc.collect()
-    assert len(fa._HANDLES) == before
+    assert len(fa._HANDLES) == before              # the backward frees it, graph or not
+    del loss
     out = model(tokens)                              # a graph that never runs backward
     assert len(fa._HANDLES) == before + 1
     del out
@@ -125,6 +125,14 @@ def test_training_handles_are_released_with_their_graphs():
     assert len(fa._HANDLES) == before
     with torch.no_grad():                            # inference keeps no handle
         model(tokens)
+    assert len(fa._HANDLES) == before
+    # torch.utils.checkpoint keeps no record from the forward; its recomputation's goes
+    # with the backward
+    out = torch.utils.checkpoint.checkpoint(model, tokens, use_reentrant=False)
+    gc.collect()
+    assert len(fa._HANDLES) == before
+    torch.nn.functional.cross_entropy(out.reshape(-1, 5), targets.reshape(-1)).backward()
+    gc.collect()
     assert len(fa._HANDLES) == before
 
 
