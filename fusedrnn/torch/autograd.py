@@ -216,14 +216,16 @@ def _forward(data, parameters, state, state_cell, lengths, config):
 
 def _backward(handle, heads, data, parameters, state, state_cell, lengths, config):
     """Both backwards' body: gradients (data, parameters, state, state_cell) of the forward
-    `handle` kept (empty tensors for absent states). A forward without a handle (inference
-    mode) is recomputed in training mode first, without dropout."""
+    `handle` kept (empty tensors for absent states). A forward without a handle is
+    recomputed in training mode first: an inference forward without dropout, a training
+    one (its handle released: a saved-tensor hook kept a copy of the key) with its own p
+    and seed, which draw the same masks."""
     kwargs = _op_kwargs(*config)
     with _from_torch(data):
         if handle is None:
             arrays = [None if t is None else to_array(t)
                       for t in (data, parameters, state, state_cell, lengths)]
-            kwargs.update(train=True, p=0.0)
+            kwargs.update(train=True, p=kwargs["p"] if kwargs["train"] else 0.0)
             handle = op.RNN(*arrays, state_outputs=True, **kwargs)[-1]
         heads = [None if g is None else to_array(g) for g in heads]
         if not CELLS[kwargs["mode"]].has_cell_state:
@@ -440,7 +442,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     inference mode (train=False) a backward still works: it recomputes the forward.
     _views (a module's): (spans, tensors) where `parameters` is a flat tensor the tensors
     are views of, at spans ((offset, shape) each): its gradient goes to them (_EagerRNN);
-    the caller has checked views_reach(data)."""
+    the caller has checked views_reach(data, state, state_cell)."""
     where = data.get_device()   # (an int, not a device object; -1 for the CPU and meta alike)
     for name, value in (("parameters", parameters), ("state", state),
                         ("state_cell", state_cell), ("sequence_length", sequence_length)):
@@ -449,7 +451,8 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like data, got "
                             f"{type(value).__module__}.{type(value).__name__}")
-        if value.get_device() != where or value.is_cpu != data.is_cpu:
+        if value.get_device() != where or value.is_cpu != data.is_cpu or \
+                value.is_cuda != data.is_cuda:
             raise ValueError(f"{name}: expected a tensor on data's device {data.device}, "
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):

@@ -87,10 +87,15 @@ class _FusedRNNBase(nn.Module):
     def weight(self):
         """The parameters as one flat vector in fusedrnn's (MXNet's) layout, built from
         them (differentiable: its gradient reaches each parameter)."""
-        # (getattr: prune and parametrize serve a parameter as an attribute)
-        first = getattr(self, self._spans()[0][0])
-        return torch.cat([getattr(self, name).reshape(-1) if name else first.new_zeros(size)
-                          for name, size in self._pieces()])
+        params, pieces = self._parameters, []
+        for name, size in self._pieces():
+            p = params.get(name) if name else None
+            if p is None and name:   # an attribute: prune's, parametrize's
+                p = getattr(self, name)
+            pieces.append((p, size))
+        like = next(p for p, _ in pieces if p is not None)
+        return torch.cat([p.reshape(-1) if p is not None else like.new_zeros(size)
+                          for p, size in pieces])
 
     def _pieces(self):
         """(torch name, size) of every block of the flat vector, in its order; the name

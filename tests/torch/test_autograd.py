@@ -336,3 +336,22 @@ def test_eager_calls_and_the_operator_agree_exactly(mode):
                        + [t[k].grad for k in case if t[k] is not None])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("intercept", [False, True])
+def test_a_saved_tensor_hook_that_copies_keeps_the_dropout_masks(intercept):
+    """A saved-tensor hook that keeps copies (offloading, compression) frees the forward's
+    key, and with it the training record: the backward recomputes the forward with its own
+    p and seed, so the same masks, and the gradients are those without the hook."""
+    case, kw, heads = make_case("gru", L=2, D=2, seed=6)
+    grads = []
+    for hooked in (False, True):
+        t = _tensors(case)
+        copies = torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x)
+        with _Intercept() if intercept else contextlib.nullcontext(), \
+                copies if hooked else contextlib.nullcontext():
+            out = ft.rnn(**t, **kw, p=0.5, seed=3, train=True)
+        (out * torch.from_numpy(heads["dout"])).sum().backward()
+        grads.append([t[k].grad for k in ("data", "parameters", "state")])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
