@@ -67,7 +67,7 @@ OUTER_OWN_ELEMENTS = 1 << 13
 # Measured: bench/results/cpu-kernel-notes.md#threads-no-blas-scope-for-the-smallest-ops
 BLAS_SERIAL_WORK = 1 << 13
 # A torch program's GEMMs of at most this many multiply-adds (gemvs: BLAS_SERIAL_WORK) run on
-# numpy's BLAS, which keeps them on one thread (OpenBLAS's bounds); torch's call cost more.
+# numpy's BLAS, which keeps them on one thread (OpenBLAS's bounds), without torch's views.
 # Measured: bench/results/cpu-kernel-notes.md#threads-a-torch-programs-small-gemms-on-numpy
 HOST_GEMM_WORK = 1 << 18
 

@@ -52,8 +52,8 @@ def to_array(tensor):
         return cupy.from_dlpack(tensor)
     if not tensor.is_cpu:
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
-    # (a CPU tensor's numpy view shares its memory as DLPack's does, and costs less per
-    # call: bench/results/torch-modules.md#the-crossing-per-call)
+    # (a CPU tensor's numpy view shares its memory as DLPack's does, with no capsule to
+    # make: bench/results/torch-modules.md#the-crossing-per-call)
     if tensor.is_neg():   # (numpy has no negative bit; DLPack ignored it)
         tensor = tensor.resolve_neg()
     if tensor.dtype == torch.bfloat16:
@@ -105,8 +105,8 @@ TORCH_HOST = TorchHost()
 class _from_torch:   # noqa: N801 (used as a function: `with _from_torch(data):`)
     """Around every call into the op: on torch's stream, and marked as a torch program's
     call (config.TORCH_CALLER: the CPU backend then runs its GEMMs on torch's threads and
-    keeps numpy's BLAS off torch's cores). A class, not a generator: a small call's
-    every microsecond counts (bench/results/torch-modules.md#the-crossing-per-call)."""
+    keeps numpy's BLAS off torch's cores). A class, not a generator: it is entered at
+    every call (bench/results/torch-modules.md#the-crossing-per-call)."""
 
     __slots__ = ("_tensor", "_token", "_inner")
 
@@ -337,7 +337,7 @@ rnn_backward_op.register_autograd(_no_double_backward,
 # ---- eager calls: the same bodies without the operators' dispatch ---------------------
 # An eager call on plain tensors, outside any tracer, mode or functorch transform, runs
 # the bodies directly (no gradient to record) or through _EagerRNN (an autograd.Function):
-# the operator's dispatch costs more than a small call's whole op.
+# the operator's dispatch fills in and checks every argument again at each call.
 # Measured: bench/results/torch-modules.md#eager-calls-without-the-operators-dispatch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -369,8 +369,8 @@ def views_reach(data, *states):
 
 class _EagerRNN(torch.autograd.Function):
     """fusedrnn::rnn's autograd formula for eager calls: the same forward and backward.
-    With `views` (parameter tensors that are views of `parameters`, at `spans`: (offset,
-    shape) each), the parameters' gradient goes to them, in pieces, as a module's
+    With `views` (parameter tensors that are views of `parameters`, at `spans`: (name,
+    offset, shape) each), the parameters' gradient goes to them, in pieces, as a module's
     parameters would receive it through its joined copy (`weight`), without the copy."""
 
     @staticmethod
@@ -404,7 +404,7 @@ class _EagerRNN(torch.autograd.Function):
                 grads[2] if state is not None else None,
                 grads[3] if state_cell is not None else None, None, None, None,
                 *(g_params[offset:offset + math.prod(shape)].view(shape)
-                  for offset, shape in ctx.spans))
+                  for _, offset, shape in ctx.spans))
 
 
 def _call(tensors, config, needs_grad, views=None):
@@ -441,7 +441,7 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
     the forward keeps what backward reads. It defaults to whether autograd needs one. In
     inference mode (train=False) a backward still works: it recomputes the forward.
     _views (a module's): (spans, tensors) where `parameters` is a flat tensor the tensors
-    are views of, at spans ((offset, shape) each): its gradient goes to them (_EagerRNN);
+    are views of, at spans ((name, offset, shape) each): its gradient goes to them (_EagerRNN);
     the caller has checked views_reach(data, state, state_cell)."""
     where = data.get_device()   # (an int, not a device object; -1 for the CPU and meta alike)
     for name, value in (("parameters", parameters), ("state", state),

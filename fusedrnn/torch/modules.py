@@ -188,7 +188,7 @@ class _FusedRNNBase(nn.Module):
           grad) passes the flat tensor the parameters are views of, as it is;
         - one whose gradient reaches every parameter, eager and casting nothing
           (autograd.views_reach), passes it with them: their gradients go to them in
-          pieces (the copy below and its backward cost a small call more than its op);
+          pieces (no copy, nor its split in the backward);
         - any other (a frozen or partly frozen module, a traced call, a cast, parameters
           replaced since flatten_parameters) passes `weight`, their joined copy. (Its
           backward reads the copy: a frozen parameter changed in place before backward
@@ -200,17 +200,9 @@ class _FusedRNNBase(nn.Module):
             if any(trained) or any(t is not None and t.requires_grad for t in (data, *states)):
                 if flat is not None and all(trained) and views_reach(data, *states):
                     spans = self._spans()
-                    return flat, (self._view_spans(), tuple(params[name] for name, _, _ in spans))
+                    return flat, (spans, tuple(params[name] for name, _, _ in spans))
                 return self.weight, None
         return (flat if flat is not None else self.weight), None
-
-    def _view_spans(self):
-        """(offset, shape) of each parameter in the flat vector, in _spans' order."""
-        spans = self.__dict__.get("_view_spans_")
-        if spans is None:
-            spans = self.__dict__["_view_spans_"] = tuple(
-                (offset, tuple(shape)) for _, offset, shape in self._spans())
-        return spans
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
