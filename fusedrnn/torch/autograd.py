@@ -185,13 +185,15 @@ def _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size, 
                 seed=None if seed < 0 else seed, _stored_as=stored_as or None)
 
 
-def _keep(handle, owner):
-    """Register a training forward's handle; it is released when `owner` is freed (with
-    the autograd graph that holds it). Returns the handle's number in _HANDLES."""
-    number = next(_next_key)
-    _HANDLES[number] = handle
-    weakref.finalize(owner, _release, number)
-    return number
+def _key(handle):
+    """A one-element int64 tensor naming a training forward's handle in _HANDLES (0: none);
+    the handle is released when the tensor is freed (with the autograd graph that saved it)."""
+    key = torch.zeros(1, dtype=torch.int64)
+    if handle is not None:
+        key[0] = number = next(_next_key)
+        _HANDLES[number] = handle
+        weakref.finalize(key, _release, number)
+    return key
 
 
 def _release(key):
@@ -251,10 +253,7 @@ def rnn_op(data: Tensor, parameters: Tensor, state: Optional[Tensor],
                                    (mode, state_size, num_layers, bidirectional, p,
                                     projection_size, clip_min, clip_max, clip_nan,
                                     use_lengths, train, seed, stored_as))
-    key = torch.zeros(1, dtype=torch.int64)
-    if handle is not None:
-        key[0] = _keep(handle, key)
-    return out, hy, cy, key
+    return out, hy, cy, _key(handle)
 
 
 def _refuse_onnx_export():
@@ -379,9 +378,7 @@ class _EagerRNN(torch.autograd.Function):
         ctx.config, ctx.spans = config, spans
         # The handle lives as long as a saved key, as the operator's: freed by the backward
         # (or at once where torch.utils.checkpoint saves nothing, recomputing at backward).
-        key = torch.zeros(1, dtype=torch.int64)
-        if handle is not None:
-            key[0] = _keep(handle, key)
+        key = _key(handle)
         # (as _rnn_setup; the views for their version counters: an in-place change of a
         # parameter before backward raises there, as with torch.nn)
         ctx.save_for_backward(key, data, parameters, state, state_cell, lengths, *views)
