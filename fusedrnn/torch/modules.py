@@ -279,7 +279,9 @@ class _FusedRNNBase(nn.Module):
             outs = _onnx.forward(self, data, h0, c0 if has_cell else None, lengths)
         else:
             weight, views = self._call_weight(data, h0, c0)
-            outs = rnn(data, weight, h0, c0 if has_cell else None, lengths if packed else None,
+            # (pad_packed_sequence's lengths are on the CPU, whatever the data's device)
+            outs = rnn(data, weight, h0, c0 if has_cell else None,
+                       lengths.to(data.device) if packed else None,
                        _views=views, state_outputs=True, train=self.training,
                        mode=self.mode, state_size=self.hidden_size, num_layers=self.num_layers,
                        bidirectional=self.bidirectional, p=self.dropout,
