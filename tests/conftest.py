@@ -102,16 +102,50 @@ def launch_fused(mode, dtype, steps):
     fusedrnn.rnn_backward(handle, np.ones_like(out))
 
 
-def fresh_compile(dispatcher, signature, parallel=True):
-    """`dispatcher`'s function compiled afresh for `signature` with the package's kernel
-    flags (threads.KERNEL_OPTIONS; `parallel` for the parallel build): the disk cache
-    keeps no IR, asm or parfor diagnostics to inspect."""
-    import numba as nb
+# The tests that read a fresh compile run on one worker (the xdist_group below; .ci/run's
+# --dist loadgroup), so that a kernel several of them read is compiled once there.
+FRESH_COMPILE = pytest.mark.xdist_group("fresh-compile")
+_FRESH = {}
 
-    from fusedrnn.cpu.threads import KERNEL_OPTIONS
-    fresh = nb.njit(parallel=parallel, **dict(KERNEL_OPTIONS, cache=False))(dispatcher.py_func)
-    fresh.compile(signature)
-    return fresh
+
+def fresh_compile(dispatcher, signature, parallel=True):
+    """What `dispatcher`'s function shows compiled afresh for `signature` with the
+    package's kernel flags (threads.KERNEL_OPTIONS; `parallel` for the parallel build): the
+    disk cache keeps no IR, asm or parfor diagnostics to inspect. Once per process for a
+    (function, signature, build); the text is kept, not the compiled code."""
+    key = (dispatcher.py_func, signature, parallel)
+    if key not in _FRESH:
+        import numba as nb
+
+        from fusedrnn.cpu.threads import KERNEL_OPTIONS
+        fresh = nb.njit(parallel=parallel, **dict(KERNEL_OPTIONS, cache=False))(
+            dispatcher.py_func)
+        fresh.compile(signature)
+        compiled = fresh.overloads[signature]
+        diagnostics = compiled.metadata.get("parfor_diagnostics")   # (a serial build's: empty)
+        body = _prange_library(compiled.library, set())
+        _FRESH[key] = types.SimpleNamespace(
+            llvm=fresh.inspect_llvm(signature), asm=fresh.inspect_asm(signature),
+            # the source lines Numba made parallel loops of
+            parallel_lines={p.loc.line for p in getattr(diagnostics, "initial_parfors", ())},
+            # the asm of the library Numba optimised the prange body in first, before it
+            # was linked into the kernel's (None without a prange)
+            prange_asm=body.get_asm_str() if body is not None else None)
+    return _FRESH[key]
+
+
+def _prange_library(library, seen):
+    """The library Numba compiled a kernel's prange body into, among those it links."""
+    if id(library) in seen:
+        return None
+    seen.add(id(library))
+    if library.name.startswith("__numba_parfor_gufunc"):
+        return library
+    for linked in library._linking_libraries:
+        found = _prange_library(linked, seen)
+        if found is not None:
+            return found
+    return None
 
 
 @pytest.fixture(params=["serial", "parallel"])
@@ -176,6 +210,9 @@ EXHAUSTIVE_ONLY = {
     # read-only arrays at T=1: a specialisation of the float64 single step of its own (the
     # T > 1 and per-step cases stay quick)
     "tests/test_op.py::test_read_only_inputs_give_the_results_of_writable_ones[1-None]",
+    # a team's regions in float64: the float32 case runs the same code, and this one
+    # compiles float64's parallel builds, which the quick tier leaves out
+    "tests/cpu/test_team.py::test_a_teams_regions_match_numbas_layer[float64]",
     # a float64 input to the float32 single step: a specialisation of its own
     "tests/cpu/test_fused.py::test_an_input_of_another_dtype_takes_the_columns",
     "tests/cpu/test_threads.py::test_concurrent_calls_match_serial[every]",

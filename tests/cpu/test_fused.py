@@ -17,7 +17,6 @@
 import re
 from types import SimpleNamespace
 
-import numba
 import numpy as np
 import pytest
 
@@ -27,10 +26,9 @@ from fusedrnn.config import CELLS, RNNConfig
 from fusedrnn.cpu import CpuBackend, fused
 from fusedrnn.cpu.fused import TILE_GROUPS, FusedLayer, fused_layer
 from fusedrnn.cpu.lowlevel import PANEL, VECTOR_BITS, panels
-from fusedrnn.cpu.threads import KERNEL_OPTIONS
 from fusedrnn.recurrence import NEXT, PREV
 
-from conftest import MODES, make_case, rel_err
+from conftest import FRESH_COMPILE, MODES, fresh_compile, make_case, rel_err
 from reference import cell as reference_cell
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
@@ -694,26 +692,13 @@ def test_bias_rows_hold_each_blocks_biases_zero_past_h(G, H):
                 assert np.array_equal(out[k, block, g], padded[g, 16 * block:16 * block + 16])
 
 
-def _prange_library(library, seen):
-    """The library Numba compiled a kernel's prange body into, among those it links."""
-    if id(library) in seen:
-        return None
-    seen.add(id(library))
-    if library.name.startswith("__numba_parfor_gufunc"):
-        return library
-    for linked in library._linking_libraries:
-        found = _prange_library(linked, seen)
-        if found is not None:
-            return found
-    return None
-
-
 def _stack_operands(asm):
     """Operands on the stack in the prange body's function (its label to its end)."""
     body = re.search(r"^(_ZN\w*parfor_gufunc\w*):\n(.*?)^\.Lfunc_end", asm, re.M | re.S)
     return len(re.findall(r"\(%rsp\)", body.group(2)))
 
 
+@FRESH_COMPILE
 @pytest.mark.parametrize("mode, bf16, direction", [
     ("lstm", False, "backward"), ("gru", False, "backward"), ("lstm", False, "forward"),
     ("gru", False, "forward"), ("lstm", True, "backward"), ("lstm", True, "forward")])
@@ -731,21 +716,16 @@ def test_the_cached_prange_body_spills_no_more_than_the_first(monkeypatch, mode,
         pytest.skip("the CPU has no AVX512-BF16: no vdpbf16ps layer to compile")
     monkeypatch.setattr(fused, "SERIAL_LOOP_WORK", -1)   # (this size would run serial)
     monkeypatch.setattr(fused, "TEAM", None)   # (a team runs the serial build)
-    layer = FusedLayer(mode, np.float32, bf16)
-    name = "_" + direction
-    options = dict(KERNEL_OPTIONS, cache=False)
-    fresh = numba.njit(parallel=True, **options)(getattr(layer, name).py_func)
-    setattr(layer, name, fresh)
-    method = getattr(FusedLayer, direction)
-    monkeypatch.setattr(FusedLayer, direction, lambda self, *a, **k: method(layer, *a, **k))
-    case, kw, heads = make_case(mode, T=4, N=8, I=16, H=32, dtype=np.float32, seed=5)
-    if bf16:
-        import ml_dtypes
-        case, heads = ({k: v.astype(ml_dtypes.bfloat16) for k, v in d.items()}
-                       for d in (case, heads))
-    _, handle = fusedrnn.RNN(**case, **kw, train=True)
-    fusedrnn.rnn_backward(handle, heads["dout"])
-    (compiled,) = fresh.overloads.values()
-    first = _stack_operands(_prange_library(compiled.library, set()).get_asm_str())
-    cached = _stack_operands(compiled.library.get_asm_str())
+    kernel = getattr(fused_layer(mode, np.float32, bf16), "_" + direction)
+    if not kernel.signatures:
+        case, kw, heads = make_case(mode, T=4, N=8, I=16, H=32, dtype=np.float32, seed=5)
+        if bf16:
+            import ml_dtypes
+            case, heads = ({k: v.astype(ml_dtypes.bfloat16) for k, v in d.items()}
+                           for d in (case, heads))
+        _, handle = fusedrnn.RNN(**case, **kw, train=True)
+        fusedrnn.rnn_backward(handle, heads["dout"])
+    assert kernel.signatures, f"{mode} {direction}: the op call did not launch it"
+    fresh = fresh_compile(kernel, kernel.signatures[0])
+    first, cached = _stack_operands(fresh.prange_asm), _stack_operands(fresh.asm)
     assert cached <= 1.5 * first, (first, cached)

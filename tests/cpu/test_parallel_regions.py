@@ -16,7 +16,9 @@ from fusedrnn.cpu import cells, fused
 from fusedrnn.cpu.lowlevel import gemm, packing
 from fusedrnn.layout import param_size
 
-from conftest import fresh_compile
+from conftest import FRESH_COMPILE, fresh_compile
+
+pytestmark = FRESH_COMPILE
 
 MODE, DTYPE = "lstm", np.float32
 
@@ -80,9 +82,7 @@ def _assert_every_prange_parallel(name, kernel, signature):
     lines, first = inspect.getsourcelines(kernel.py_func)
     prange_lines = {first + i for i, line in enumerate(lines) if "prange(" in line.split("#")[0]}
     assert prange_lines, name
-    fresh = fresh_compile(kernel, signature)
-    diagnostics = fresh.get_metadata(signature)["parfor_diagnostics"]
-    parallel_lines = {parfor.loc.line for parfor in diagnostics.initial_parfors}
+    parallel_lines = fresh_compile(kernel, signature).parallel_lines
     assert prange_lines <= parallel_lines, \
         f"{name}: the prange on lines {sorted(prange_lines - parallel_lines)} runs serially"
 

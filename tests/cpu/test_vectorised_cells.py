@@ -21,17 +21,19 @@ import pytest
 from fusedrnn.config import CELLS
 from fusedrnn.cpu import fused
 
-from conftest import fresh_compile, launch_fused
+from conftest import FRESH_COMPILE, fresh_compile, launch_fused
+
+pytestmark = FRESH_COMPILE
 
 CELL_VECTOR_OP = re.compile(r"= (?:fcmp \w+|fmul|fsub|fdiv)(?: \w+)* <(\d+) x (float|double)>")
 MIN_LANES = {"float": 8, "double": 4}
 
 
-# Each fresh compile takes ~15 s here: every mode both ways in float32, float64 once (the
-# same source in the other precision), the T=1 form once (its own compilation), and the
-# serial builds of one cell each way.
+# Each fresh compile takes seconds: every mode both ways in float32, float64 once (the
+# same source in the other precision), the T=1 form once (its own compilation; LSTM's,
+# which test_parallel_regions.py reads too), and the serial builds of one cell each way.
 CASES = [(mode, np.float32, kernel) for mode in CELLS for kernel in ("_forward", "_backward")]
-CASES += [("lstm", np.float64, "_forward"), ("gru", np.float32, "_forward_single"),
+CASES += [("lstm", np.float64, "_forward"), ("lstm", np.float32, "_forward_single"),
           ("lstm", np.float32, "_forward_serial"), ("gru", np.float32, "_backward_serial")]
 
 
@@ -45,7 +47,7 @@ def test_cell_loop_is_vectorised(monkeypatch, mode, dtype, kernel):
         launch_fused(mode, dtype, 1 if kernel == "_forward_single" else 3)
     assert dispatcher.signatures, f"{mode} {kernel}: the op call did not launch it"
     signature = dispatcher.signatures[0]
-    fresh = fresh_compile(dispatcher, signature, parallel=not serial)
-    wide = [m for m in CELL_VECTOR_OP.finditer(fresh.inspect_llvm(signature))
+    llvm = fresh_compile(dispatcher, signature, parallel=not serial).llvm
+    wide = [m for m in CELL_VECTOR_OP.finditer(llvm)
             if int(m.group(1)) >= MIN_LANES[m.group(2)]]
     assert wide, f"{mode} {np.dtype(dtype)} {kernel}: the cell loop is scalar"

@@ -23,6 +23,14 @@ ARCHS = ["sm_90", "sm_80", "sm_75"]
 TENSOR_CORE_ARCHS = ["sm_90", "sm_80"]
 
 
+def _persistent_builds(phase_clocks):
+    """The persistent kernels' builds: the plain one for every arch; the instrumented one
+    of fusedrnn/benchmark/gpu_phases.py (its clocks need no arch of their own) for the
+    device it times on, Hopper."""
+    return [pytest.param(arch, [], id=f"{arch}-plain") for arch in ARCHS] + [
+        pytest.param("sm_90", [phase_clocks], id="sm_90-phase-clocks")]
+
+
 
 
 def _missing(what):
@@ -70,9 +78,7 @@ def test_nvcc_compiles_every_kernel(arch, tmp_path):
     assert len(entries) == len(STEP_KERNELS.all_kernel_names()) == 16
 
 
-# The second build is the instrumented one of fusedrnn/benchmark/gpu_phases.py.
-@pytest.mark.parametrize("defines", [[], ["-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, defines", _persistent_builds("-DFUSEDRNN_PHASE_CLOCKS"))
 def test_nvcc_compiles_every_persistent_kernel(arch, defines, tmp_path):
     source = _instantiations(
         "persistent.cuh", PERSISTENT_KERNELS.all_kernel_names(),
@@ -165,8 +171,7 @@ def test_nvrtc_compiles_every_kernel_as_cupy_does(arch):
                     [*(o.encode() for o in build.OPTIONS), f"--gpu-architecture={arch}".encode()])
 
 
-@pytest.mark.parametrize("defines", [[], [b"-DFUSEDRNN_PHASE_CLOCKS"]], ids=["plain", "phase-clocks"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, defines", _persistent_builds(b"-DFUSEDRNN_PHASE_CLOCKS"))
 def test_nvrtc_compiles_every_persistent_kernel_as_cupy_does(arch, defines):
     # Exactly the text CuPy is given; build.py's options plus CuPy's own -ftz=true.
     _nvrtc_compiles(PERSISTENT_KERNELS.source().encode(), b"persistent.cuh",

@@ -21,7 +21,7 @@ from fusedrnn.cpu.lowlevel import gemm, pack_input_weights, pack_recurrent, pack
 from fusedrnn.cpu.lowlevel import microkernel as mk
 from fusedrnn.cpu.lowlevel.microkernel import MAX_ROWS, PANEL, ROWS, panel_gemm_for, panel_gemm_t
 
-from conftest import fresh_compile, launch_fused
+from conftest import FRESH_COMPILE, fresh_compile, launch_fused
 
 C_PAD = 5    # columns of C past the panels: the kernel must leave them as they are
 A_PAD = 3    # A's row stride is K + A_PAD: lda is honoured, not assumed to be K
@@ -318,6 +318,7 @@ def _tile_loops(asm, fmas=8):
                                     "fused forward lstm", "fused forward gru float64",
                                     "fused single step lstm", "fused forward bf16 lstm",
                                     "batched", "batched float64"])
+@FRESH_COMPILE
 def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
     """The tiles are their own noinline functions (module docstring of microkernel.py):
     inlined into the projection's kernel, the 6-row tile's k-loop reloaded 8 row addresses
@@ -376,7 +377,7 @@ def test_tile_loop_reloads_nothing_from_the_stack(monkeypatch, kernel):
         dispatcher = fused.fused_layer(mode, dtype)._forward
         assert dispatcher.signatures, f"{kernel}: the call did not launch it"
         signature = dispatcher.signatures[0]
-    asm = fresh_compile(dispatcher, signature).inspect_asm(signature)
+    asm = fresh_compile(dispatcher, signature).asm
     assert re.search(r"^fusedrnn_tile\w+:", asm, re.M), f"{kernel}: the tiles were inlined"
     if kernel.startswith("fused single step"):   # and row_dots' tiles, for few samples
         assert re.search(r"^fusedrnn_dot\d+x\d+_\w+:", asm, re.M), f"{kernel}: dot tiles inlined"
