@@ -726,6 +726,9 @@ def test_the_cached_prange_body_spills_no_more_than_the_first(monkeypatch, mode,
         _, handle = fusedrnn.RNN(**case, **kw, train=True)
         fusedrnn.rnn_backward(handle, heads["dout"])
     assert kernel.signatures, f"{mode} {direction}: the op call did not launch it"
-    fresh = fresh_compile(kernel, kernel.signatures[0])
+    # (whatever other tests on this worker launched: the writable arrays' signature)
+    signature = min(kernel.signatures, key=lambda s: (repr(s).count(", True, aligned"),
+                                                      repr(s)))
+    fresh = fresh_compile(kernel, signature)
     first, cached = _stack_operands(fresh.prange_asm), _stack_operands(fresh.asm)
     assert cached <= 1.5 * first, (first, cached)

@@ -29,9 +29,10 @@ CELL_VECTOR_OP = re.compile(r"= (?:fcmp \w+|fmul|fsub|fdiv)(?: \w+)* <(\d+) x (f
 MIN_LANES = {"float": 8, "double": 4}
 
 
-# Each fresh compile takes seconds: every mode both ways in float32, float64 once (the
-# same source in the other precision), the T=1 form once (its own compilation; LSTM's,
-# which test_parallel_regions.py reads too), and the serial builds of one cell each way.
+# A fresh compile per case, so not the whole product: every mode both ways in float32,
+# float64 once (the same source in the other precision), the T=1 form once (its own
+# compilation, and the same cell code as the loop's; LSTM's, whose compile
+# test_parallel_regions.py reads too), and the serial builds of one cell each way.
 CASES = [(mode, np.float32, kernel) for mode in CELLS for kernel in ("_forward", "_backward")]
 CASES += [("lstm", np.float64, "_forward"), ("lstm", np.float32, "_forward_single"),
           ("lstm", np.float32, "_forward_serial"), ("gru", np.float32, "_backward_serial")]

@@ -249,7 +249,9 @@ def test_the_background_compile_then_compile_ahead_leave_nothing_to_compile(tmp_
     lstm` into the same cache builds the sets the background left (one compile of each set
     in all: the loop set's is the background's): a later process's LSTM calls at other
     sizes, layers, directions, lengths and T=1 (a step's products together too), in a
-    numpy program and in a torch one, compile nothing."""
+    numpy program and in a torch one, compile nothing. (One cache for both halves: a set
+    compile is the same replay (precompile.replay) whichever starts it, and its kernels'
+    signatures do not depend on the sizes it replays.)"""
     report = _first_use(tmp_path, "lstm", 300)
     assert report["first"] == {"cpu-first-tier": 1} and report["first_compiles"] == 0
     assert report["later"].get("cpu") == 1, report

@@ -112,15 +112,23 @@ def test_fullgraph_compiled_model_trains_as_eager_on_cuda():
 @pytest.mark.parametrize("enforce_sorted", [True, False])
 def test_packed_sequence_on_cuda_matches_torch_nn(enforce_sorted):
     """A PackedSequence of CUDA data: pad_packed_sequence gives its lengths on the CPU,
-    which the module moves to the data's device (rnn() refuses mixed devices)."""
+    which the module moves to the data's device (rnn() refuses mixed devices); outputs,
+    states and gradients as torch.nn's, h_0 given where the batch is not sorted."""
     torch.manual_seed(0)
     theirs = torch.nn.GRU(5, 7, num_layers=2).double().cuda()
     ours = ft.GRU(5, 7, num_layers=2).double().cuda()
     ours.load_state_dict(theirs.state_dict())
     lengths = [6, 4, 1] if enforce_sorted else [4, 6, 1]
     x = torch.randn(6, 3, 5, dtype=torch.float64, device="cuda")
-    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted)
-    (out, hy), (want, want_hy) = ours(packed), theirs(packed)
-    assert out.data.is_cuda and hy.is_cuda
-    torch.testing.assert_close(out.data, want.data, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(hy, want_hy, rtol=1e-10, atol=1e-12)
+    h0 = None if enforce_sorted else torch.randn(2, 3, 7, dtype=torch.float64, device="cuda")
+    results = []
+    for module in (theirs, ours):
+        xs = x.clone().requires_grad_()
+        packed = torch.nn.utils.rnn.pack_padded_sequence(xs, lengths,
+                                                         enforce_sorted=enforce_sorted)
+        out, hy = module(packed, h0)
+        (out.data.square().sum() + hy.sum()).backward()
+        results.append((out.data, hy, xs.grad, module.weight_hh_l1.grad))
+    assert all(t.is_cuda for t in results[1])
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
