@@ -24,6 +24,7 @@ initial state) at the cost of the padded batch, with no per-sample loop.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ from .layout import ParamLayout
 PREV = (0, 1)   # row offset of h_{t-1} (in processing order) for direction 0 / 1
 NEXT = (1, 0)   # row offset of h_t
 _NO_MASKS = (None, None)   # _length_masks without lengths
+_NO_SCOPE = contextlib.nullcontext()   # (reusable: one, not one a call)
 # `opts` below is a config.CallOptions (validate builds it; config: why it lives there).
 
 
@@ -496,11 +498,25 @@ class RecurrentOp:
             if dout is not None:
                 dout = self.backend.astype(dout, self.dtype, b.dout32)
             dhy, dcy = self._inward(dhy, dcy)
-        with self.blas:
-            grads = self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy)
+        together = self._together()
+        # (every product together on the backend's own kernel: no BLAS call to scope)
+        with self.blas if not all(together) else _NO_SCOPE:
+            grads = self._backward(reserve, data, params, h0, c0, opts, dout, dhy, dcy,
+                                   together)
         return self._outward(*grads) if self.plan.converts else grads
 
-    def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy):
+    def _together(self):
+        """Per layer, whether a single step's backward products go to the backend together
+        (its step_products: a numpy or a torch program's call may differ)."""
+        if not self.driver.single or self.plan.half_gemms:
+            return (False,) * self.config.num_layers
+        cfg, N, R = self.config, self.N, self.config.recurrent_size
+        GH2 = 2 * N * cfg.directions * cfg.gate_rows
+        return tuple(self.backend.step_products(self.dtype, GH2 * (cfg.layer_input_size(layer) + R))
+                     for layer in range(cfg.num_layers))
+
+    def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy, together):
+        """backward's body; together: _together()'s answer for this call."""
         xp, cfg, T, N = self.xp, self.config, self.T, self.N
         L, D, H, R = cfg.num_layers, cfg.directions, cfg.state_size, cfg.recurrent_size
         cell, lay = cfg.cell, self.layout
@@ -519,20 +535,17 @@ class RecurrentOp:
         dy = dout
         # A single step's products (each too small for a launch of its own) go to the
         # backend together, once a layer's directions are done, where it takes them.
-        single = self.driver.single and not self.plan.half_gemms
         for layer in range(L - 1, -1, -1):
             x2d = (data if layer == 0 else reserve.ys[layer - 1]).reshape(T * N, -1)
-            together = single and self.backend.step_products(
-                self.dtype, 2 * N * D * cfg.gate_rows * (x2d.shape[1] + R))
             if cfg.projection_size and masks[0] is not None:
                 xp.multiply(dy, masks[0], out=b.dy_masked)  # y is constant 0 past a length
                 dy = b.dy_masked
-            jobs = [] if together else None
+            jobs = [] if together[layer] else None
             for d in range(D):
                 self._direction_backward(layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
                                          opts, masks, b, g_h0, g_c0, jobs)
             dx = g_data if layer == 0 else b.dys
-            if together:
+            if jobs is not None:
                 jobs.append((b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1), False))
                 self.backend.products(jobs, self.dtype)
                 g_h0[layer * D:(layer + 1) * D] += b.dh_first

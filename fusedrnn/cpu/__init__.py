@@ -53,8 +53,11 @@ OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
 # multiply-adds (at fewer one BLAS thread's products won) up to STEP_PRODUCTS_MOST (past
 # it BLAS in parts won), in the dtypes whose large products the micro-kernel wins (own_gemm).
+# In a torch program from any size: there each product apart was a call into torch's GEMM
+# or numpy's, between torch's own calls, at several times its work's cost.
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
-# bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3
+# bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3,
+# bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step
 STEP_PRODUCTS_WORK = 1 << 21
 STEP_PRODUCTS_MOST = 1 << 28
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
@@ -216,11 +219,12 @@ class CpuBackend:
     @staticmethod
     def step_products(dtype, work):
         """Whether a single step's backward products (`work` multiply-adds in all) go to
-        `products` together: in a numpy program, float32, or float64 on 512-bit tiles,
-        between the STEP_PRODUCTS_ bounds (a torch program's stay on its pool).
-        Measured: bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3"""
-        return STEP_PRODUCTS_WORK < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
-            dtype in (np.float32, np.float64) and TORCH_CALLER.get() is None
+        `products` together: float32, or float64 on 512-bit tiles, up to STEP_PRODUCTS_MOST,
+        from STEP_PRODUCTS_WORK in a numpy program (a torch program's from any size).
+        Measured: bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step"""
+        low = STEP_PRODUCTS_WORK if TORCH_CALLER.get() is None else 0
+        return low < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
+            dtype in (np.float32, np.float64)
 
     @staticmethod
     def products(jobs, dtype):

@@ -8,6 +8,7 @@ modules.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import weakref
@@ -188,11 +189,12 @@ def _op_kwargs(mode, state_size, num_layers, bidirectional, p, projection_size, 
 def _key(handle):
     """A one-element int64 tensor naming a training forward's handle in _HANDLES (0: none);
     the handle is released when the tensor is freed (with the autograd graph that saved it)."""
-    key = torch.zeros(1, dtype=torch.int64)
-    if handle is not None:
-        key[0] = number = next(_next_key)
-        _HANDLES[number] = handle
-        weakref.finalize(key, _release, number)
+    if handle is None:
+        return torch.zeros(1, dtype=torch.int64)
+    number = next(_next_key)
+    key = torch.full((1,), number, dtype=torch.int64)   # (one op: not zeros, then a store)
+    _HANDLES[number] = handle
+    weakref.finalize(key, _release, number)
     return key
 
 
@@ -222,15 +224,15 @@ def _backward(handle, heads, data, parameters, state, state_cell, lengths, confi
     recomputed in training mode first: an inference forward without dropout, a training
     one (its handle released: a saved-tensor hook kept a copy of the key) with its own p
     and seed, which draw the same masks."""
-    kwargs = _op_kwargs(*config)
     with _from_torch(data):
         if handle is None:
+            kwargs = _op_kwargs(*config)
             arrays = [None if t is None else to_array(t)
                       for t in (data, parameters, state, state_cell, lengths)]
             kwargs.update(train=True, p=kwargs["p"] if kwargs["train"] else 0.0)
             handle = op.RNN(*arrays, state_outputs=True, **kwargs)[-1]
         heads = [None if g is None else to_array(g) for g in heads]
-        if not CELLS[kwargs["mode"]].has_cell_state:
+        if not CELLS[config[0]].has_cell_state:   # (config[0]: the mode, _CONFIG's first)
             heads[2] = None
         # retain: a second backward (retain_graph=True) reads the same record and masks
         grads = op.rnn_backward(handle, *heads, retain=True)
@@ -288,7 +290,7 @@ def rnn_backward_op(key: Tensor, dout: Optional[Tensor], dhy: Optional[Tensor],
                     use_lengths: bool, train: bool, seed: int, stored_as: str
                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (data, parameters, state, state_cell) of the forward `key` names: _backward."""
-    return _backward(_HANDLES.get(int(key[0])), (dout, dhy, dcy), data, parameters, state,
+    return _backward(_HANDLES.get(key.item()), (dout, dhy, dcy), data, parameters, state,
                      state_cell, lengths, (mode, state_size, num_layers, bidirectional, p,
                                            projection_size, clip_min, clip_max, clip_nan,
                                            use_lengths, train, seed, stored_as))
@@ -394,14 +396,20 @@ class _EagerRNN(torch.autograd.Function):
             grads = torch.ops.fusedrnn.rnn_backward(key, dout, dhy, dcy, data, parameters,
                                                     state, state_cell, lengths, *ctx.config)
         else:
-            grads = _backward(_HANDLES.get(int(key[0])), (dout, dhy, dcy), data, parameters,
+            grads = _backward(_HANDLES.get(key.item()), (dout, dhy, dcy), data, parameters,
                               state, state_cell, lengths, ctx.config)
         g_params = grads[1]
         return (grads[0], None if ctx.spans else g_params,
                 grads[2] if state is not None else None,
                 grads[3] if state_cell is not None else None, None, None, None,
-                *(g_params[offset:offset + math.prod(shape)].view(shape)
+                *(g_params.as_strided(shape, _strides(shape), offset)   # (one op each)
                   for _, offset, shape in ctx.spans))
+
+
+@functools.cache
+def _strides(shape):
+    """A contiguous tensor's strides for `shape` (in elements)."""
+    return tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
 
 
 def _call(tensors, config, needs_grad, views=None):
@@ -454,7 +462,8 @@ def rnn(data, parameters, state=None, state_cell=None, sequence_length=None, *,
                              f"got one on {value.device}")
     if train is not None and not isinstance(train, bool):
         raise TypeError(f"train: expected a bool or None, got {type(train).__name__} {train!r}")
-    if torch.onnx.is_in_onnx_export():   # (traced shapes would fail check_config below)
+    # (traced shapes would fail check_config below; a module's views: an eager call)
+    if _views is None and torch.onnx.is_in_onnx_export():
         _refuse_onnx_export()
     data, parameters, state, state_cell = _autocast(data, parameters, state, state_cell)
     if data.dtype == torch.bfloat16 and not _arrays_hold(data.dtype, data.device):

@@ -189,9 +189,9 @@ def test_the_first_tiers_matmul_matches_float64(K, transpose_a):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_single_steps_products_go_together_between_the_bounds(dtype):
-    """step_products: between STEP_PRODUCTS_WORK (exclusive) and STEP_PRODUCTS_MOST, in a
-    numpy program, float32 at either width and float64 on 512-bit tiles (where the
-    micro-kernel runs its products); never in a torch program."""
+    """step_products: float32 at either width and float64 on 512-bit tiles (where the
+    micro-kernel runs its products), up to STEP_PRODUCTS_MOST; in a numpy program past
+    STEP_PRODUCTS_WORK, in a torch program from the smallest."""
     dtype = np.dtype(dtype)
     own = dtype == np.float32 or VECTOR_BITS == 512
     low, most = cpu.STEP_PRODUCTS_WORK, cpu.STEP_PRODUCTS_MOST
@@ -199,6 +199,7 @@ def test_a_single_steps_products_go_together_between_the_bounds(dtype):
         [False, own, own, False]
     token = TORCH_CALLER.set(StandIn([]))
     try:
-        assert not CpuBackend.step_products(dtype, low + 1)
+        assert [CpuBackend.step_products(dtype, w) for w in (1, low, most, most + 1)] == \
+            [own, own, own, False]
     finally:
         TORCH_CALLER.reset(token)

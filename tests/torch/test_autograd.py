@@ -304,6 +304,47 @@ def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch, size):
     assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_torch_programs_single_step_runs_its_products_together(monkeypatch, mode):
+    """A T=1 training step through fusedrnn.torch (float32, two bidirectional layers, small)
+    hands each layer's backward products to the CPU backend's `products` at once
+    (CpuBackend.step_products: in a torch program from any size), calls neither torch's GEMM
+    nor the backend's one-by-one matmul, enters no BLAS scope (no numpy GEMM is left to
+    scope), and its gradients (input, states, parameters) equal torch.nn's in float64 within
+    float32's rounding."""
+    from fusedrnn import cpu
+    from fusedrnn.cpu import threads
+    from fusedrnn.torch import autograd
+    calls = []
+    for owner, name in ((cpu.CpuBackend, "products"), (cpu.CpuBackend, "matmul"),
+                        (autograd.TorchHost, "matmul")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, staticmethod(
+            lambda *a, _r=real, _n=f"{owner.__name__}.{name}", **k: calls.append(_n) or
+            _r(*a, **k)))
+    real_enter = threads.BlasOneThread.__enter__
+    monkeypatch.setattr(threads.BlasOneThread, "__enter__",
+                        lambda self: calls.append("blas scope") or real_enter(self))
+    name, extra = CELLS[mode].torch_class, CELLS[mode].torch_kwargs
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, name)(6, 7, num_layers=2, bidirectional=True, **extra).double()
+    mine = getattr(ft, name)(6, 7, num_layers=2, bidirectional=True, **extra)
+    mine.load_state_dict(ref.state_dict())
+    grads = []
+    for module, dtype in ((ref, torch.float64), (mine, torch.float32)):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(1, 3, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        h0 = torch.randn(4, 3, 7, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        hx = (h0, torch.zeros_like(h0)) if CELLS[mode].has_cell_state else h0
+        calls.clear()
+        out, _ = module(x, hx)
+        out.square().sum().backward()
+        grads.append([x.grad, h0.grad] + [p.grad for p in module.parameters()])
+    assert calls == ["CpuBackend.products"] * 2, calls
+    for want, got in zip(*grads, strict=True):
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 class _Intercept(torch.overrides.TorchFunctionMode):
     """A torch-function mode that changes nothing: under it (as under a tracer or a
     FakeTensorMode) a call takes the operator fusedrnn::rnn, not the eager Function."""
