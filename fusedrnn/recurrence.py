@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .config import PRECISIONS
+from .config import PRECISIONS, TORCH_CALLER
 from .layout import ParamLayout
 
 PREV = (0, 1)   # row offset of h_{t-1} (in processing order) for direction 0 / 1
@@ -244,6 +244,7 @@ class RecurrentOp:
         self._forward_blas = self.blas if not (
             layer is not None and layer.projects_input) else None
         self._backward_scratch = None
+        self._together_in = {}   # _together's answers
         self._reserve_pool = []
         # One call at a time: a training handle carries its op to whichever thread runs the
         # backward (torch's autograd runs a CUDA backward on its own device thread), while
@@ -507,13 +508,19 @@ class RecurrentOp:
 
     def _together(self):
         """Per layer, whether a single step's backward products go to the backend together
-        (its step_products: a numpy or a torch program's call may differ)."""
-        if not self.driver.single or self.plan.half_gemms:
-            return (False,) * self.config.num_layers
-        cfg, N, R = self.config, self.N, self.config.recurrent_size
-        GH2 = 2 * N * cfg.directions * cfg.gate_rows
-        return tuple(self.backend.step_products(self.dtype, GH2 * (cfg.layer_input_size(layer) + R))
-                     for layer in range(cfg.num_layers))
+        (its step_products), remembered for a numpy and for a torch program's calls (the
+        one fact of a call it reads: config.TORCH_CALLER)."""
+        program = TORCH_CALLER.get() is None
+        together = self._together_in.get(program)
+        if together is None:
+            cfg, N, R, single = self.config, self.N, self.config.recurrent_size, \
+                self.driver.single and not self.plan.half_gemms
+            GH2 = 2 * N * cfg.directions * cfg.gate_rows
+            together = self._together_in[program] = tuple(
+                single and self.backend.step_products(
+                    self.dtype, GH2 * (cfg.layer_input_size(layer) + R))
+                for layer in range(cfg.num_layers))
+        return together
 
     def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy, together):
         """backward's body; together: _together()'s answer for this call."""

@@ -43,14 +43,15 @@ def _arrays_hold(dtype, device):
 
 
 def to_array(tensor):
-    """The numpy (CPU) or CuPy (CUDA) view of a tensor's memory; no copy when contiguous."""
+    """The numpy (CPU) or CuPy (CUDA) view of a tensor's memory: on the CPU with the
+    tensor's strides (the op reads a strided array through one contiguous copy of its own:
+    an expanded head gradient is copied once, by numpy), on CUDA of a contiguous copy
+    where the tensor is not contiguous."""
     if tensor.requires_grad:
         tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
     if tensor.is_cuda:
         import cupy
-        return cupy.from_dlpack(tensor)
+        return cupy.from_dlpack(tensor.contiguous())
     if not tensor.is_cpu:
         raise TypeError(f"data: expected a CPU or CUDA tensor, got one on {tensor.device}")
     # (a CPU tensor's numpy view shares its memory as DLPack's does, with no capsule to
