@@ -9,7 +9,7 @@ Groups (full / --quick sizes):
               GRID_CPU (T in {1, 20, 100}, N in {1, 8, 32, 128}, H in {64, 128, 256, 512}).
               --quick: T in {1, 20}, N in {1, 32}, H in {64, 256}, both devices.
   train-step  a real training step through the torch modules (zero_grad, forward, a linear
-              head and its loss, backward, optimizer step) for three models, fusedrnn.torch
+              head and its loss, backward, optimizer step) for four models, fusedrnn.torch
               against torch.nn, each peer in its own process; beside each step a torch
               Linear + loss of its own (the neighbour), timed apart, to show what the RNN's
               threads cost the program's other ops. --quick: the tagger only.
@@ -125,10 +125,12 @@ def _grid(quick, device):
             for T, N, H in itertools.product(Ts, Ns, Hs)]
 
 
-# The three models of the train-step group: (name, mode, B, T, I, H, layers, bidirectional).
+# The models of the train-step group: (name, mode, B, T, I, H, layers, bidirectional); the
+# decoder trains one step (T=1), as a step-by-step decoder's module is called.
 TRAIN_MODELS = (("tagger", "lstm", 32, 50, 32, 64, 2, True),
                 ("encoder", "gru", 64, 100, 128, 256, 1, False),
-                ("acoustic", "lstm", 16, 200, 80, 512, 3, False))
+                ("acoustic", "lstm", 16, 200, 80, 512, 3, False),
+                ("decoder", "gru", 32, 1, 128, 128, 1, False))
 
 
 def _train_step(quick, device):
