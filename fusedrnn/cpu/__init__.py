@@ -220,7 +220,9 @@ class CpuBackend:
     def step_products(dtype, work):
         """Whether a single step's backward products (`work` multiply-adds in all) go to
         `products` together: float32, or float64 on 512-bit tiles, up to STEP_PRODUCTS_MOST,
-        from STEP_PRODUCTS_WORK in a numpy program (a torch program's from any size).
+        from STEP_PRODUCTS_WORK in a numpy program (a torch program's from any size). Of a
+        call it reads only config.TORCH_CALLER: an op remembers its answers per program kind
+        (RecurrentOp._together).
         Measured: bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step"""
         low = STEP_PRODUCTS_WORK if TORCH_CALLER.get() is None else 0
         return low < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
