@@ -51,10 +51,8 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
-# multiply-adds (at fewer one BLAS thread's products won) up to STEP_PRODUCTS_MOST (past
-# it BLAS in parts won), in the dtypes whose large products the micro-kernel wins (own_gemm).
-# In a torch program from any size: there each product apart was a call into torch's GEMM
-# or numpy's, between torch's own calls, at several times its work's cost.
+# multiply-adds (fewer: one BLAS thread's won; a torch program's from any size, one call for
+# all) up to STEP_PRODUCTS_MOST (past it BLAS in parts won), in own_gemm's dtypes.
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3,
 # bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step
@@ -218,11 +216,9 @@ class CpuBackend:
 
     @staticmethod
     def step_products(dtype, work):
-        """Whether a single step's backward products (`work` multiply-adds in all) go to
-        `products` together: float32, or float64 on 512-bit tiles, up to STEP_PRODUCTS_MOST,
-        from STEP_PRODUCTS_WORK in a numpy program (a torch program's from any size). Of a
-        call it reads only config.TORCH_CALLER: an op remembers its answers per program kind
-        (RecurrentOp._together).
+        """Whether a single step's backward products (`work` multiply-adds) go to `products`
+        together, by the bounds above (of a call it reads TORCH_CALLER alone: an op keeps its
+        answers per program kind, RecurrentOp._together).
         Measured: bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step"""
         low = STEP_PRODUCTS_WORK if TORCH_CALLER.get() is None else 0
         return low < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \

@@ -400,10 +400,11 @@ class _EagerRNN(torch.autograd.Function):
             grads = _backward(_HANDLES.get(key.item()), (dout, dhy, dcy), data, parameters,
                               state, state_cell, lengths, ctx.config)
         g_params = grads[1]
+        base = g_params.storage_offset()   # (as_strided counts from the storage's start)
         return (grads[0], None if ctx.spans else g_params,
                 grads[2] if state is not None else None,
                 grads[3] if state_cell is not None else None, None, None, None,
-                *(g_params.as_strided(shape, _strides(shape), offset)   # (one op each)
+                *(g_params.as_strided(shape, _strides(shape), base + offset)   # (one op each)
                   for _, offset, shape in ctx.spans))
 
 

@@ -310,11 +310,13 @@ def test_a_torch_programs_single_step_runs_its_products_together(monkeypatch, mo
     hands each layer's backward products to the CPU backend's `products` at once
     (CpuBackend.step_products: in a torch program from any size), calls neither torch's GEMM
     nor the backend's one-by-one matmul, enters no BLAS scope (no numpy GEMM is left to
-    scope), and its gradients (input, states, parameters) equal torch.nn's in float64 within
-    float32's rounding."""
+    scope; the op is built with one, BLAS_SERIAL_WORK lowered), and its gradients (input,
+    states, parameters) equal torch.nn's in float64 within float32's rounding."""
     from fusedrnn import cpu
     from fusedrnn.cpu import threads
     from fusedrnn.torch import autograd
+    monkeypatch.setattr(cpu, "BLAS_SERIAL_WORK", 0)   # (else this size's op has no scope)
+    fusedrnn.clear_cache()
     calls = []
     for owner, name in ((cpu.CpuBackend, "products"), (cpu.CpuBackend, "matmul"),
                         (autograd.TorchHost, "matmul")):
@@ -340,9 +342,42 @@ def test_a_torch_programs_single_step_runs_its_products_together(monkeypatch, mo
         out, _ = module(x, hx)
         out.square().sum().backward()
         grads.append([x.grad, h0.grad] + [p.grad for p in module.parameters()])
+    fusedrnn.clear_cache()   # (its op holds the lowered bound's scope)
     assert calls == ["CpuBackend.products"] * 2, calls
     for want, got in zip(*grads, strict=True):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_one_op_answers_a_numpy_and_a_torch_programs_single_step_apart(monkeypatch):
+    """RecurrentOp remembers whether a single step's products go together per program kind:
+    the same op (one cache entry), called in turn from a numpy program (a small step: the
+    products one by one) and from a torch program (together), answers each as it is."""
+    from fusedrnn import cpu
+    calls = []
+    real = cpu.CpuBackend.products
+    monkeypatch.setattr(cpu.CpuBackend, "products",
+                        staticmethod(lambda *a: calls.append("together") or real(*a)))
+    fusedrnn.clear_cache()
+    kw = dict(mode="gru", state_size=8, num_layers=1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 3, 5)).astype(np.float32)
+    w = rng.uniform(-0.3, 0.3, fusedrnn.param_size(input_size=5, **kw)).astype(np.float32)
+    dout = np.ones((1, 3, 8), np.float32)
+    seen, grads = [], []
+    for program in ("numpy", "torch", "numpy", "torch"):
+        calls.clear()
+        if program == "numpy":
+            out, handle = fusedrnn.RNN(x, w, **kw, train=True)
+            grads.append(fusedrnn.rnn_backward(handle, dout).parameters)
+        else:
+            params = torch.from_numpy(w.copy()).requires_grad_()
+            ft.rnn(torch.from_numpy(x), params, **kw).sum().backward()
+            grads.append(params.grad.numpy())
+        seen.append((program, calls == ["together"]))
+    assert fusedrnn.cache_info().entries == 1
+    assert seen == [("numpy", False), ("torch", True), ("numpy", False), ("torch", True)]
+    for g in grads[1:]:
+        np.testing.assert_allclose(g, grads[0], rtol=1e-5, atol=1e-6)
 
 
 class _Intercept(torch.overrides.TorchFunctionMode):
