@@ -103,6 +103,28 @@ def test_dlpack_shares_memory_both_ways():
     assert back.data_ptr() == x.data_ptr()
 
 
+def test_to_array_views_a_strided_cpu_tensor_and_the_op_reads_it():
+    """to_array of a non-contiguous CPU tensor (a transpose, an expanded tensor) is numpy's
+    view of its memory with its strides, no copy; a backward from an expanded head gradient
+    (`out.sum()`'s) gives the gradients of the same gradient made contiguous."""
+    x = torch.randn(4, 3)
+    for t in (x.T, x[:1].expand(5, 3)):
+        a = ft.to_array(t)
+        assert a.ctypes.data == t.data_ptr()
+        assert a.strides == tuple(s * t.element_size() for s in t.stride())
+        np.testing.assert_array_equal(a, t.numpy())
+    rnn = ft.GRU(3, 4)
+    data = torch.randn(2, 5, 3, requires_grad=True)
+    grads = []
+    for head in (lambda out: out.sum(), lambda out: (out * torch.ones(out.shape)).sum()):
+        data.grad = None
+        rnn.zero_grad()
+        head(rnn(data)[0]).backward()
+        grads.append([data.grad] + [p.grad for p in rnn.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gradcheck(mode):
     case, kw, _ = make_case(mode, T=3, N=2, I=2, H=2, L=2, D=2, seed=9)
