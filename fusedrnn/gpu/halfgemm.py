@@ -17,7 +17,7 @@ torch's GradScaler skips the step as for cuDNN's float16.
 Checked on the host (tests/gpu/test_half_gemm.py) and on an H200, where with the
 tensor-core products it made the half training step faster than the float32 kernels and
 GEMMs: on by default for half data; FUSEDRNN_GPU_HALF_GEMMS=0 keeps the float32 GEMMs.
-Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25
+Measured: bench/results/gpu.md#half-precision-on-the-gpu-the-first-lease
 """
 from __future__ import annotations
 

@@ -269,8 +269,8 @@ __host__ __device__ __forceinline__ half_bits as_half(half_bits v) { return v; }
 // Why: the backward's staging phase (2-byte loads, 16 in flight a thread) took most of the
 // LSTM backward's step; a load here moves 8 of those. -DFUSEDRNN_SCALAR_STAGING
 // (FUSEDRNN_GPU_WIDE_STAGING=0, persistent.py) builds without it, to compare.
-// Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25
-// Measured: bench/results/gpu.md#half-precision-on-an-h200-the-second-lease-issue-25
+// Measured: bench/results/gpu.md#half-precision-on-the-gpu-the-first-lease
+// Measured: bench/results/gpu.md#half-precision-on-the-gpu-the-second-lease
 struct alignas(16) Raw16 {
   unsigned w[4];
 };

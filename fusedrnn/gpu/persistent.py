@@ -21,7 +21,7 @@ mma_backward_operands), and `slices` splits each product's k-steps of 16 so the 
 fill the block's warps. On by default since they were checked and timed on an H200 (with
 the half GEMMs, faster than the float32 products in inference and training);
 FUSEDRNN_GPU_TENSOR_CORES=0 keeps half data on the float32 products.
-Measured: bench/results/gpu.md#half-precision-on-an-h200-the-first-lease-issue-25
+Measured: bench/results/gpu.md#half-precision-on-the-gpu-the-first-lease
 
 Both recurrent products (persistent.cuh) take a register tile of `tile` samples per item
 and split their reduction into `slices` (k in the forward, each staged chunk of gate rows
