@@ -32,7 +32,9 @@ import numpy as np
 from numba import prange
 
 from ..threads import LAUNCH_LOCK, SLEEPING_WORKERS, parallel_and_serial, pick
+from .mathfn import zero_like
 from .microkernel import PANEL
+from .rows import VECTOR_BYTES, rows_to_columns
 
 __all__ = ["pack_input_weights", "pack_panel", "pack_recurrent", "pack_recurrent_rows",
            "panels"]
@@ -49,14 +51,31 @@ def panels(units):
 SERIAL_ELEMENTS = 1 << 19 if SLEEPING_WORKERS else 1 << 18
 
 
+# A whole panel's rows move by rows_to_columns, the rest element by element: as scalar
+# loops the packers ran several times slower than a copy of the weights.
+# Measured: bench/results/cpu-kernel-notes.md#packing-transposed-in-vectors
+@nb.njit(inline="always")
+def _to_columns(w, r0, rows, out):
+    """out (K, 16)[k, u] = w[r0 + u, k] for u < rows, 0 for u >= rows."""
+    K, size = w.shape[1], w.itemsize
+    k = 0
+    if rows == PANEL:
+        step, like = VECTOR_BYTES // size, zero_like(w)
+        src, dst = w.ctypes.data + np.uint64(r0 * K * size), out.ctypes.data
+        while k + step <= K:
+            rows_to_columns(dst + np.uint64(k * PANEL * size), PANEL, src + np.uint64(k * size),
+                            K, like)
+            k += step
+    for kk in range(k, K):
+        for u in range(PANEL):
+            out[kk, u] = w[r0 + u, kk] if u < rows else 0
+
+
 def _pack_recurrent(w, gates, out):
-    H, K = w.shape[0] // gates, w.shape[1]
-    for b in prange(out.shape[0]):
-        for g in range(gates):
-            for k in range(K):
-                for u in range(PANEL):
-                    j = b * PANEL + u
-                    out[b, g, k, u] = w[g * H + j, k] if j < H else 0
+    H = w.shape[0] // gates
+    for bg in prange(out.shape[0] * gates):   # (a panel each: more shares than blocks)
+        b, g = bg // gates, bg % gates
+        _to_columns(w, g * H + b * PANEL, min(PANEL, H - b * PANEL), out[b, g])
 
 
 _pack_recurrent, _pack_recurrent_serial = parallel_and_serial(_pack_recurrent)
@@ -115,11 +134,15 @@ def _pack_rows_at(w, row0, out):
     rows, K = w.shape
     first, last = row0 // PANEL, (row0 + rows - 1) // PANEL
     for p in prange(first, last + 1):
-        for k in range(K):
-            for u in range(PANEL):
-                r = p * PANEL + u - row0
-                if 0 <= r < rows:
-                    out[p, k, u] = w[r, k]
+        r0 = p * PANEL - row0
+        if r0 >= 0 and r0 + PANEL <= rows:
+            _to_columns(w, r0, PANEL, out[p])
+        else:   # a panel shared with the other direction's rows, or the last
+            for k in range(K):
+                for u in range(PANEL):
+                    r = r0 + u
+                    if 0 <= r < rows:
+                        out[p, k, u] = w[r, k]
 
 
 _pack_rows_at, _pack_rows_at_serial = parallel_and_serial(_pack_rows_at)

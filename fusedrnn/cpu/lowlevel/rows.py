@@ -22,6 +22,10 @@ row_round(dst, src, width)             dst[0:width] = src[0:width] rounded to bf
     width          0..16
     Rounds as bf16gemm.bf16_bits (nearest even, NaN quiet): the bf16 layer's h_t, dg rows.
     Measured: bench/results/cpu-kernel-notes.md#bf16-rows-rounded-as-vectors
+rows_to_columns(dst, ldd, src, lds, like)   dst[k * ldd + u] = src[u * lds + k]
+    for u < 16, k < BLOCK_COLUMNS[itemsize] (a 256-bit vector of each row), float32 or
+    float64 as `like`; ldd, lds row strides in elements; dst must not overlap src.
+    Measured: bench/results/cpu-kernel-notes.md#packing-transposed-in-vectors
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["row_copy", "row_add", "row_add3", "row_round", "row_zero"]
+__all__ = ["BLOCK_COLUMNS", "VECTOR_BYTES", "row_copy", "row_add", "row_add3", "row_round",
+           "row_zero", "rows_to_columns"]
 
 LANES = 16
 
@@ -148,4 +153,50 @@ def _emit_round(context, builder, signature, values):
 def row_round(typingctx, dst, src, width):
     if all(isinstance(a, types.Integer) for a in (dst, src, width)):
         return types.void(dst, src, width), _emit_round
+    return None
+
+
+# Columns rows_to_columns moves per call, by element size: one 256-bit vector of each row.
+VECTOR_BYTES = 32
+BLOCK_COLUMNS = {size: VECTOR_BYTES // size for size in (4, 8)}
+
+
+def _interleave(builder, a, b, high):
+    """a's and b's lanes alternating, from their low (or high) halves."""
+    lanes = a.type.count
+    base = lanes // 2 if high else 0
+    mask = [lane for i in range(lanes // 2) for lane in (base + i, lanes + base + i)]
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), lanes),
+                                                    mask))
+
+
+def _emit_transpose(context, builder, signature, values):
+    scalar, size = _element(signature.args[-1])
+    lanes = BLOCK_COLUMNS[size]
+    vec = ir.VectorType(scalar, lanes)
+    dst, ldd, src, lds = (context.cast(builder, v, t, types.intp)
+                          for v, t in zip(values[:4], signature.args[:4], strict=True))
+    intp = dst.type
+
+    def address(base, row, stride, column):
+        at = builder.add(builder.mul(ir.Constant(intp, row), stride), ir.Constant(intp, column))
+        return builder.inttoptr(builder.add(base, builder.mul(at, ir.Constant(intp, size))),
+                                vec.as_pointer())
+    for first in range(0, LANES, lanes):   # a square of `lanes` rows at a time
+        rows = [builder.load(address(src, first + i, lds, 0), align=1) for i in range(lanes)]
+        # log2(lanes) rounds of pairing row i with row i + lanes/2 transpose the square
+        for _ in range(lanes.bit_length() - 1):
+            half = lanes // 2
+            rows = [_interleave(builder, rows[i], rows[i + half], high)
+                    for i in range(half) for high in (False, True)]
+        for k in range(lanes):
+            builder.store(rows[k], address(dst, k, ldd, first), align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def rows_to_columns(typingctx, dst, ldd, src, lds, like):
+    if like in (types.float32, types.float64) and all(
+            isinstance(a, types.Integer) for a in (dst, ldd, src, lds)):
+        return types.void(dst, ldd, src, lds, like), _emit_transpose
     return None

@@ -70,11 +70,14 @@ def test_panels():
     assert [panels(n) for n in (1, 15, 16, 17, 32, 33)] == [1, 1, 1, 2, 2, 3]
 
 
+# K: under one vector block, whole blocks of either dtype, and blocks with a tail
+# (rows.rows_to_columns moves whole panels' columns a vector at a time)
+@pytest.mark.parametrize("K", [7, 16, 19])
 @pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
 @pytest.mark.parametrize("mode", ["rnn_tanh", "gru", "lstm"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pack_recurrent_layout(dtype, mode, H):
-    G, K = CELLS[mode].gates, 7
+def test_pack_recurrent_layout(dtype, mode, H, K):
+    G = CELLS[mode].gates
     w = np.random.default_rng([G, H]).standard_normal((G * H, K)).astype(dtype)
     out = np.full((panels(H), G, K, PANEL), np.nan, dtype)
     assert pack_recurrent(w, G, out) is out
@@ -101,11 +104,11 @@ def test_pack_recurrent_rows_layout(dtype, R):
     assert allocated.dtype == dtype and np.array_equal(allocated, out)
 
 
+@pytest.mark.parametrize("K", [5, 16, 19])
 @pytest.mark.parametrize("blocks", [[1], [16], [3, 3], [24, 24], [80, 80], [99]])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pack_input_weights_layout(dtype, blocks):
+def test_pack_input_weights_layout(dtype, blocks, K):
     """The directions' rows concatenated, no padding between them, zero past the end."""
-    K = 5
     rng = np.random.default_rng(sum(blocks))
     ws = [rng.standard_normal((n, K)).astype(dtype) for n in blocks]
     out = np.full((panels(sum(blocks)), K, PANEL), np.nan, dtype)

@@ -5,7 +5,15 @@ import numba as nb
 import numpy as np
 import pytest
 
-from fusedrnn.cpu.lowlevel.rows import row_add, row_add3, row_copy, row_round, row_zero
+from fusedrnn.cpu.lowlevel.rows import (
+    BLOCK_COLUMNS,
+    row_add,
+    row_add3,
+    row_copy,
+    row_round,
+    row_zero,
+    rows_to_columns,
+)
 
 OFFSET = 3   # rows start 3 elements into their buffers: no alignment is assumed
 
@@ -118,3 +126,26 @@ def test_row_sums_reject_integer_rows():
 
     with pytest.raises(nb.core.errors.TypingError):
         bad(np.zeros(16, np.uint16))
+
+
+@nb.njit
+def _transpose(dst, ldd, src, lds):
+    """rows_to_columns from OFFSET elements into each buffer."""
+    s = dst.itemsize * OFFSET
+    rows_to_columns(dst.ctypes.data + s, ldd, src.ctypes.data + s, lds, dst[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_to_columns_moves_exactly_a_block_transposed(dtype):
+    """16 rows' next BLOCK_COLUMNS columns (row strides wider than the block, unaligned)
+    land as 16-wide rows, exactly; nothing else in dst is written."""
+    cols, lds, ldd = BLOCK_COLUMNS[np.dtype(dtype).itemsize], 21, 19
+    assert cols * np.dtype(dtype).itemsize == 32
+    src = np.random.default_rng(7).standard_normal(2 * OFFSET + 16 * lds).astype(dtype)
+    dst = np.full(2 * OFFSET + cols * ldd, np.nan, dtype)
+    _transpose(dst, ldd, src, lds)
+    block = src[OFFSET:OFFSET + 16 * lds].reshape(16, lds)[:, :cols]
+    written = dst[OFFSET:OFFSET + cols * ldd].reshape(cols, ldd)
+    np.testing.assert_array_equal(written[:, :16], block.T)
+    assert np.isnan(written[:, 16:]).all() and np.isnan(dst[:OFFSET]).all()
+    assert np.isnan(dst[OFFSET + cols * ldd:]).all()
