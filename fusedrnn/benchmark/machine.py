@@ -10,13 +10,15 @@
 - core_gflops: one thread's float32 rate on a single step's product, N=128 samples by
   W (512 x 512): the T=1 micro-kernel (panel_gemm_t over 16-sample column panels) and
   numpy's BLAS capped at one thread.
-- l2_bytes: one core's L2, from Linux's sysfs (None elsewhere).
+- l2_bytes: one core's L2, from Linux's sysfs (None elsewhere), as fused.l2_bytes reads it
+  for the loops' weight bound (SERIAL_LOOP_BYTES, printed beside it).
 - serial_bound: the multiply-adds below which one core beats two workers that split the
   work evenly but pay one launch: 2 * launch * (one core's multiply-adds per second), for
   each layer, beside the bound fused.py uses today (SERIAL_WORK).
 
-Prints one line per constant and writes them as JSON. No rule reads these yet: they are
-the inputs a derived rule would take (bench/results/cpu-kernel-notes.md#machine-constants).
+Prints one line per constant and writes them as JSON. Of these only the L2 sets a rule
+today; the others are the inputs a derived rule would take
+(bench/results/cpu-kernel-notes.md#machine-constants).
 """
 from __future__ import annotations
 
@@ -123,26 +125,9 @@ def core_gflops(repeats):
     return {"microkernel": flops / kernel_s / 1e9, "numpy": flops / numpy_s / 1e9}
 
 
-def l2_bytes():
-    """One core's L2 in bytes from sysfs; None where it is not there."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    if not os.path.isdir(base):
-        return None
-    for index in sorted(os.listdir(base)):
-        try:
-            with open(f"{base}/{index}/level") as level, open(f"{base}/{index}/size") as size:
-                text = size.read().strip()
-                if level.read().strip() == "2" and text:
-                    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
-                    return int(text.rstrip("KM")) * scale
-        except OSError:
-            continue
-    return None
-
-
 def measure(repeats):
     from fusedrnn.benchmark import cpu_info
-    from fusedrnn.cpu.fused import SERIAL_WORK
+    from fusedrnn.cpu.fused import SERIAL_LOOP_BYTES, SERIAL_WORK, l2_bytes
     launches = {layer: launch_us(layer, repeats) for layer in LAYERS}
     rates = core_gflops(max(3, repeats // 50))
     macs_per_s = rates["microkernel"] / 2 * 1e9
@@ -151,7 +136,7 @@ def measure(repeats):
             "serial_bound": {layer: (None if got is None else
                                      int(2 * got["back_to_back"]["median"] * 1e-6 * macs_per_s))
                              for layer, got in launches.items()},
-            "serial_work_today": SERIAL_WORK}
+            "serial_work_today": SERIAL_WORK, "serial_loop_bytes": SERIAL_LOOP_BYTES}
 
 
 def main(argv=None):
@@ -173,7 +158,8 @@ def main(argv=None):
     r = got["core_gflops"]
     print(f"one core, N={N} x W ({ROWS}, {K}): micro-kernel {r['microkernel']:.0f} GFLOP/s, "
           f"numpy {r['numpy']:.0f}")
-    print(f"L2 per core: {got['l2_bytes']} bytes; SERIAL_WORK today {got['serial_work_today']:.3g}")
+    print(f"L2 per core: {got['l2_bytes']} bytes (SERIAL_LOOP_BYTES {got['serial_loop_bytes']}); "
+          f"SERIAL_WORK today {got['serial_work_today']:.3g}")
     with open(args.json, "w") as f:
         json.dump(got, f, indent=1)
     print(f"JSON: {args.json}")

@@ -40,6 +40,7 @@ layer_forward(xproj, d, wpack, (bx, bh), (hs, cs), y, saved, tiles, lengths, cli
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import numba as nb
@@ -88,7 +89,7 @@ from .team import TEAM
 from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
-__all__ = ["FusedLayer", "fused_layer"]
+__all__ = ["FusedLayer", "fused_layer", "l2_bytes"]
 
 
 # One tile row per sample, in 16-wide column groups: the cell math reads and writes one
@@ -554,13 +555,33 @@ def _launch(builds, serial, steps, blocks, args):
 # (N*G*H*(H+K)), SERIAL_LOOP_WORK in a loop (T*N*G*H*H, + T*N*G*H*K fused; bf16 counts
 # half), SERIAL_POINTWISE gate values (N*G*H) in the T=1 backward; higher where a launch
 # wakes workqueue's workers (a team's T=1 launch does not; its loops keep workqueue's
-# bound). No loop whose weights pass one core's L2 (SERIAL_LOOP_BYTES).
+# bound). No loop whose weights pass this machine's L2 of a core (SERIAL_LOOP_BYTES).
 # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-bounds-for-each-layer
 # Measured: bench/results/cpu-kernel-notes.md#threads-a-team-of-our-own
+# Measured: bench/results/cpu-kernel-notes.md#fused-the-loops-weight-bound-read-from-sysfs
 _WAKES = SLEEPING_WORKERS and TEAM is None
 SERIAL_WORK = 1 << 25 if _WAKES else 1 << 20 if TEAM is not None else 1 << 19
 SERIAL_LOOP_WORK = 1 << 24 if SLEEPING_WORKERS else 1 << 20
-SERIAL_LOOP_BYTES = 1 << 20
+
+
+def l2_bytes(base="/sys/devices/system/cpu/cpu0/cache"):
+    """One core's L2 in bytes, from Linux's sysfs under `base`; None where it is not there."""
+    try:
+        indexes = sorted(os.listdir(base))
+    except OSError:
+        return None
+    for index in indexes:
+        try:
+            with open(f"{base}/{index}/level") as level, open(f"{base}/{index}/size") as size:
+                text = size.read().strip()
+                if level.read().strip() == "2" and text:
+                    return int(text.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+SERIAL_LOOP_BYTES = l2_bytes() or 1 << 20   # (unknown: the 1 MiB of Zen 4 and Zen 5)
 # One-panel blocks go in pairs (one product over two panels) from this many samples (a
 # tile of one row has too few sums): the forward's one-gate blocks, and the backward's
 # dh_rec products.

@@ -464,6 +464,33 @@ def test_small_calls_take_the_serial_builds(monkeypatch, T, N, H, serial):
     assert launched == [forward, forward, backward], launched   # inference, training
 
 
+def _fake_caches(root, levels):
+    """A sysfs cache folder under root: index0.. with each (level, size) of `levels`."""
+    for i, (level, size) in enumerate(levels):
+        index = root / f"index{i}"
+        index.mkdir()
+        (index / "level").write_text(f"{level}\n")
+        (index / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("levels, want", [
+    ([(1, "32K"), (1, "32K"), (2, "512K"), (3, "32768K")], 512 << 10),   # Zen 3
+    ([(1, "48K"), (2, "1024K"), (3, "32M")], 1 << 20),                   # Zen 4, Zen 5
+    ([(1, "32K"), (2, "2M")], 2 << 20),
+    ([(1, "32K"), (3, "8M")], None),                                     # no L2 listed
+    ([(2, "")], None), ([(2, "big")], None)])                            # unreadable
+def test_l2_bytes_reads_the_level_two_cache_from_sysfs(tmp_path, levels, want):
+    assert fused.l2_bytes(_fake_caches(tmp_path, levels)) == want
+
+
+def test_the_loops_weight_bound_is_this_machines_l2():
+    """SERIAL_LOOP_BYTES is one core's L2 as sysfs gives it (1 MiB where it gives none):
+    a bound derived from the machine, not one kind's number."""
+    assert fused.l2_bytes("/no/such/folder") is None
+    assert fused.SERIAL_LOOP_BYTES == (fused.l2_bytes() or 1 << 20)
+
+
 # ---- (d) bfloat16 data ---------------------------------------------------------------------
 
 def _record_conversions(monkeypatch, record):
