@@ -43,6 +43,7 @@ import copy
 import os
 import threading
 
+import llvmlite.binding as llvm
 import numba as nb
 import numpy as np
 from numba import prange
@@ -89,7 +90,7 @@ from .team import TEAM
 from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
-__all__ = ["FusedLayer", "fused_layer", "l2_bytes"]
+__all__ = ["FusedLayer", "fused_layer", "l2_bytes", "loop_work_bound"]
 
 
 # One tile row per sample, in 16-wide column groups: the cell math reads and writes one
@@ -561,7 +562,21 @@ def _launch(builds, serial, steps, blocks, args):
 # Measured: bench/results/cpu-kernel-notes.md#fused-the-loops-weight-bound-read-from-sysfs
 _WAKES = SLEEPING_WORKERS and TEAM is None
 SERIAL_WORK = 1 << 25 if _WAKES else 1 << 20 if TEAM is not None else 1 << 19
-SERIAL_LOOP_WORK = 1 << 24 if SLEEPING_WORKERS else 1 << 20
+# A team's loop pays no wake, only each step's synchronisation: its bound by CPU kind
+# (LLVM's host name) where measured; other kinds keep workqueue's.
+# Measured: bench/results/cpu-kernel-notes.md#fused-the-loop-bound-with-a-team-by-cpu-kind
+TEAM_LOOP_WORK = {"znver3": 1 << 22}
+
+
+def loop_work_bound(kind, team, sleeping):
+    """SERIAL_LOOP_WORK on a CPU of LLVM name `kind`, with or without a team, where the
+    threading layer's workers sleep or not."""
+    if not sleeping:
+        return 1 << 20
+    return TEAM_LOOP_WORK.get(kind, 1 << 24) if team else 1 << 24
+
+
+SERIAL_LOOP_WORK = loop_work_bound(llvm.get_host_cpu_name(), TEAM is not None, SLEEPING_WORKERS)
 
 
 def l2_bytes(base="/sys/devices/system/cpu/cpu0/cache"):

@@ -491,6 +491,22 @@ def test_the_loops_weight_bound_is_this_machines_l2():
     assert fused.SERIAL_LOOP_BYTES == (fused.l2_bytes() or 1 << 20)
 
 
+@pytest.mark.parametrize("kind, team, sleeping, want", [
+    ("znver3", True, True, 1 << 22),      # measured: a team's loops from 2^22 on Zen 3
+    ("znver5", True, True, 1 << 24),      # unmeasured kinds keep workqueue's bound
+    ("rocketlake", True, True, 1 << 24),  # (measured there: the team lost below it)
+    ("znver3", False, True, 1 << 24),     # no team: every launch wakes the sleepers
+    ("znver3", True, False, 1 << 20)])    # workers that spin
+def test_the_loops_work_bound_by_cpu_kind(kind, team, sleeping, want):
+    assert fused.loop_work_bound(kind, team, sleeping) == want
+
+
+def test_the_loops_work_bound_is_this_machines():
+    import llvmlite.binding as llvm
+    assert fused.SERIAL_LOOP_WORK == fused.loop_work_bound(
+        llvm.get_host_cpu_name(), fused.TEAM is not None, fused.SLEEPING_WORKERS)
+
+
 # ---- (d) bfloat16 data ---------------------------------------------------------------------
 
 def _record_conversions(monkeypatch, record):
