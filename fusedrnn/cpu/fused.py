@@ -90,7 +90,7 @@ from .team import TEAM
 from .threads import KERNEL_OPTIONS, LAUNCH_LOCK, SLEEPING_WORKERS, serial_only
 from .units import MODE_INDEX, backward_unit, forward_unit
 
-__all__ = ["FusedLayer", "fused_layer", "l2_bytes", "loop_work_bound"]
+__all__ = ["FusedLayer", "fused_layer", "l2_bytes", "loop_bytes_bound", "loop_work_bound"]
 
 
 # One tile row per sample, in 16-wide column groups: the cell math reads and writes one
@@ -555,8 +555,8 @@ def _launch(builds, serial, steps, blocks, args):
 # Small calls run serial builds (no launch): up to SERIAL_WORK multiply-adds at T=1
 # (N*G*H*(H+K)), SERIAL_LOOP_WORK in a loop (T*N*G*H*H, + T*N*G*H*K fused; bf16 counts
 # half), SERIAL_POINTWISE gate values (N*G*H) in the T=1 backward; higher where a launch
-# wakes workqueue's workers (a team's T=1 launch does not; its loops keep workqueue's
-# bound). No loop whose weights pass this machine's L2 of a core (SERIAL_LOOP_BYTES).
+# wakes workqueue's workers (a team's T=1 launch does not; its loops: TEAM_LOOP_WORK).
+# No loop whose weights pass this machine's L2 of a core (SERIAL_LOOP_BYTES).
 # Measured: bench/results/cpu-kernel-notes.md#fusedlayer-serial-bounds-for-each-layer
 # Measured: bench/results/cpu-kernel-notes.md#threads-a-team-of-our-own
 # Measured: bench/results/cpu-kernel-notes.md#fused-the-loops-weight-bound-read-from-sysfs
@@ -590,13 +590,20 @@ def l2_bytes(base="/sys/devices/system/cpu/cpu0/cache"):
             with open(f"{base}/{index}/level") as level, open(f"{base}/{index}/size") as size:
                 text = size.read().strip()
                 if level.read().strip() == "2" and text:
-                    return int(text.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+                    bytes_ = int(text.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+                    return bytes_ or None
         except (OSError, ValueError):
             continue
     return None
 
 
-SERIAL_LOOP_BYTES = l2_bytes() or 1 << 20   # (unknown: the 1 MiB of Zen 4 and Zen 5)
+def loop_bytes_bound(l2):
+    """SERIAL_LOOP_BYTES for a core's L2 of `l2` bytes (None: unknown, 1 MiB as on Zen 4
+    and Zen 5), held within the L2s it was measured at, 512 KiB to 1 MiB."""
+    return min(max(l2 or 1 << 20, 1 << 19), 1 << 20)
+
+
+SERIAL_LOOP_BYTES = loop_bytes_bound(l2_bytes())
 # One-panel blocks go in pairs (one product over two panels) from this many samples (a
 # tile of one row has too few sums): the forward's one-gate blocks, and the backward's
 # dh_rec products.

@@ -479,16 +479,28 @@ def _fake_caches(root, levels):
     ([(1, "48K"), (2, "1024K"), (3, "32M")], 1 << 20),                   # Zen 4, Zen 5
     ([(1, "32K"), (2, "2M")], 2 << 20),
     ([(1, "32K"), (3, "8M")], None),                                     # no L2 listed
-    ([(2, "")], None), ([(2, "big")], None)])                            # unreadable
+    ([(2, "")], None), ([(2, "big")], None), ([(2, "0K")], None)])       # unreadable
 def test_l2_bytes_reads_the_level_two_cache_from_sysfs(tmp_path, levels, want):
     assert fused.l2_bytes(_fake_caches(tmp_path, levels)) == want
 
 
+def test_l2_bytes_passes_an_index_it_cannot_read(tmp_path):
+    _fake_caches(tmp_path, [(1, "32K"), (2, "512K")])
+    (tmp_path / "index0" / "size").unlink()
+    assert fused.l2_bytes(str(tmp_path)) == 512 << 10
+    assert fused.l2_bytes(str(tmp_path / "no-such-folder")) is None
+
+
+@pytest.mark.parametrize("l2, want", [
+    (512 << 10, 512 << 10), (768 << 10, 768 << 10), (1 << 20, 1 << 20),   # measured range
+    (2 << 20, 1 << 20), (256 << 10, 512 << 10),   # beyond it: held at its ends
+    (None, 1 << 20)])
+def test_the_loops_weight_bound_follows_the_l2(l2, want):
+    assert fused.loop_bytes_bound(l2) == want
+
+
 def test_the_loops_weight_bound_is_this_machines_l2():
-    """SERIAL_LOOP_BYTES is one core's L2 as sysfs gives it (1 MiB where it gives none):
-    a bound derived from the machine, not one kind's number."""
-    assert fused.l2_bytes("/no/such/folder") is None
-    assert fused.SERIAL_LOOP_BYTES == (fused.l2_bytes() or 1 << 20)
+    assert fused.SERIAL_LOOP_BYTES == fused.loop_bytes_bound(fused.l2_bytes())
 
 
 @pytest.mark.parametrize("kind, team, sleeping, want", [

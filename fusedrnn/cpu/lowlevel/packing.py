@@ -81,10 +81,23 @@ def _pack_recurrent(w, gates, out):
 _pack_recurrent, _pack_recurrent_serial = parallel_and_serial(_pack_recurrent)
 
 
+def _check(name, ws, out):
+    """A ValueError unless every w of ws and out are C-contiguous float32 or float64 of
+    one dtype: the vector moves read and write them as such."""
+    for w in ws:
+        if w.dtype != out.dtype or out.dtype not in (np.float32, np.float64) or not (
+                w.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError(f"{name}: C-contiguous weights and out of one dtype, float32 or "
+                             f"float64, expected, got {w.dtype} (contiguous "
+                             f"{w.flags.c_contiguous}) into {out.dtype} (contiguous "
+                             f"{out.flags.c_contiguous})")
+
+
 def pack_recurrent(w_h, gates, out=None):
     """W_h (G*H, K) -> (B, G, K, 16) (module docstring)."""
     if out is None:
         out = np.empty((panels(w_h.shape[0] // gates), gates, w_h.shape[1], PANEL), w_h.dtype)
+    _check("pack_recurrent", (w_h,), out)
     with LAUNCH_LOCK:
         small = w_h.size <= SERIAL_ELEMENTS
         pick(_pack_recurrent, _pack_recurrent_serial, small)(w_h, gates, out)
@@ -115,6 +128,7 @@ def pack_recurrent_rows(w_h, out=None):
 
 def pack_input_weights(ws, out):
     """The concatenated rows of `ws` -> out (P, K, 16) (module docstring)."""
+    _check("pack_input_weights", ws, out)
     total = sum(w.shape[0] for w in ws)
     if out.shape[0] * PANEL < total or out.shape[1] != ws[0].shape[1]:
         raise ValueError(f"pack_input_weights: out {out.shape} cannot hold {total} rows "

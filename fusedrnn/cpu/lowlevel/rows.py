@@ -1,4 +1,5 @@
-"""Moves of one block's row of up to 16 elements, as vector loads and stores.
+"""Moves of one block's row of up to 16 elements, and 16 rows' columns transposed (for the
+packers), as vector loads and stores.
 
 The fused loops (fused.py) gather a block's inputs into its tile and scatter results
 out; as Numba loops these stayed scalar (LLVM cannot rule out overlap), dearer than the cell.

@@ -70,8 +70,8 @@ def test_panels():
     assert [panels(n) for n in (1, 15, 16, 17, 32, 33)] == [1, 1, 1, 2, 2, 3]
 
 
-# K: under one vector block, whole blocks of either dtype, and blocks with a tail
-# (rows.rows_to_columns moves whole panels' columns a vector at a time)
+# K: under one float32 vector (float64: one and a tail), whole vectors of either dtype,
+# and vectors with a tail (rows.rows_to_columns moves whole panels' columns a vector at a time)
 @pytest.mark.parametrize("K", [7, 16, 19])
 @pytest.mark.parametrize("H", [1, 15, 16, 17, 40])
 @pytest.mark.parametrize("mode", ["rnn_tanh", "gru", "lstm"])
@@ -122,6 +122,24 @@ def test_pack_input_weights_pads_past_the_last_row_with_zeros():
     pack_input_weights([w], out)
     np.testing.assert_array_equal(out[0, :, :3], w.T)
     np.testing.assert_array_equal(out[0, :, 3:], 0)
+
+
+_REFUSED = {   # (w, out, what the message names)
+    "float64 into float32": (lambda: np.ones((16, 8)), np.float32, "got float64"),
+    "float16": (lambda: np.ones((16, 8), np.float16), np.float16, "got float16"),
+    "a strided w": (lambda: np.ones((8, 16)).T, np.float64, "contiguous False")}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED))
+def test_the_packers_refuse_weights_they_cannot_move_as_vectors(case):
+    """rows_to_columns reads w's rows and writes out's as one float dtype: another dtype,
+    or a strided w, is refused rather than misread."""
+    make, out_dtype, got = _REFUSED[case]
+    w, out = make(), np.empty((1, 8, PANEL), out_dtype)
+    with pytest.raises(ValueError, match=got):
+        pack_input_weights([w], out)
+    with pytest.raises(ValueError, match=got):
+        pack_recurrent(w, 1, out.reshape(1, 1, 8, PANEL))
 
 
 def test_pack_input_weights_refuses_a_too_small_buffer():
