@@ -3,8 +3,9 @@
 At T=1 dx = dG @ W_x, dh_0 = dG @ W_h, dW_x = dG^T @ x and dW_h = dG^T @ h_0 are each too
 small to pay a launch (a sleeping helper's wake each, or OpenBLAS's workers spinning
 after), and packing W whole reads it twice: here they share one region's work items, B
-read in place (panel_gemm_free) or a strip packed per item (_packs).
-Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
+read in place (panel_gemm_free) or a strip packed per item (_packs), with A by columns.
+Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
+bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 
 products(jobs, items, like, work, team=None)
     jobs   (P, JOB) int64, a row per C = A @ B (job_rows): [a, lda, M, b, ldb, C, c, ldc,
@@ -30,6 +31,7 @@ from .microkernel import (
     _groups,
     _itemsize,
     panel_gemm,
+    panel_gemm_cols,
     panel_gemm_free,
     panel_gemm_free_cols,
     panels_per_tile,
@@ -50,16 +52,21 @@ QUAD = 4
 SERIAL_WORK = 1 << 21
 # Rows past one tile (_TILES: the tallest of QUAD panels' tiles) read B's strip once per
 # tile: in place it stayed cached up to PACK_K and PACK_ROWS; past either it is packed.
-# Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
+# By columns (dG^T) both, and A's block, past PACK_COLUMNS_K (16 lines: two L1 sets).
+# Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
+# bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 PACK_K = 512
 PACK_ROWS = 64
+PACK_COLUMNS_K = 16
 _TILES = tuple(tile_height(t, max(_groups(QUAD, panels_per_tile(t))))
                for t in (np.float32, np.float64))
 
 
 @nb.njit(inline="always")
-def _packs(size, rows, K):
-    return rows > (_TILES[0] if size == 4 else _TILES[1]) and (K > PACK_K or rows > PACK_ROWS)
+def _packs(size, rows, K, by_columns):
+    if rows <= (_TILES[0] if size == 4 else _TILES[1]):
+        return False
+    return K > PACK_COLUMNS_K if by_columns else K > PACK_K or rows > PACK_ROWS
 
 
 def _items(M, C):
@@ -127,19 +134,26 @@ def _run_item(jobs, item, like, strips, worker):
         _tail_columns(a_r, lda, rows, b + full * PANEL * size, ldb, C - full * PANEL,
                       c_r + full * PANEL * size, ldc, K, by_columns, like)
         return
-    if not by_columns and _packs(size, rows, K):
+    if _packs(size, rows, K, by_columns):
         strip = strips[worker].ctypes.data
         for k in range(K):
             for q in range(stop - p):
                 row_copy(strip + (q * K + k) * PANEL * size,
                          b + (k * ldb + (p + q) * PANEL) * size, PANEL, like)
+        if by_columns:   # A's block after the strip, k-major: A[r, k] at [k * rows + r]
+            block = np.int64(strip) + QUAD * K * PANEL * size   # (a_r's type)
+            for k in range(K):
+                for u in range(0, rows, PANEL):
+                    row_copy(block + (k * rows + u) * size, a_r + (k * lda + u) * size,
+                             min(PANEL, rows - u), like)
+            a_r, lda = block, rows
         if stop - p == QUAD:
-            panel_gemm(a_r, lda, rows, strip, K * PANEL, QUAD, c_r + p * PANEL * size, ldc, K,
-                       like)
+            _packed(a_r, lda, rows, strip, K * PANEL, QUAD, c_r + p * PANEL * size, ldc, K,
+                    by_columns, like)
         else:
             for q in range(stop - p):
-                panel_gemm(a_r, lda, rows, strip + q * K * PANEL * size, 0, 1,
-                           c_r + (p + q) * PANEL * size, ldc, K, like)
+                _packed(a_r, lda, rows, strip + q * K * PANEL * size, 0, 1,
+                        c_r + (p + q) * PANEL * size, ldc, K, by_columns, like)
         return
     if stop - p == QUAD:
         if by_columns:
@@ -152,6 +166,15 @@ def _run_item(jobs, item, like, strips, worker):
     for q in range(p, stop):
         _free(a_r, lda, rows, b + q * PANEL * size, ldb, c_r + q * PANEL * size, ldc, K,
               by_columns, like)
+
+
+@nb.njit(inline="always")
+def _packed(a, lda, rows, strip, pstride, npanels, c, ldc, K, by_columns, like):
+    """panel_gemm or its _cols form over packed panels (a run-time choice)."""
+    if by_columns:
+        panel_gemm_cols(a, lda, rows, strip, pstride, npanels, c, ldc, K, like)
+    else:
+        panel_gemm(a, lda, rows, strip, pstride, npanels, c, ldc, K, like)
 
 
 @nb.njit(inline="always")
@@ -207,10 +230,10 @@ _strips = threading.local()
 
 
 def _strips_for(jobs, dtype):
-    """This thread's scratch for B's strips, a row per Numba thread (kept: fresh pages cost
-    more than the copy)."""
-    k = max((row[8] for row in jobs.tolist() if not row[9]), default=0)
-    width = max(1, QUAD * k * PANEL)
+    """This thread's scratch for B's strips and A's blocks by columns, a row per Numba
+    thread (kept: fresh pages cost more than the copy)."""
+    width = max((row[8] * (QUAD * PANEL + ITEM_ROWS * row[9]) for row in jobs.tolist()),
+                default=1)
     held = getattr(_strips, dtype.char, None)
     if held is None or held.shape[1] < width or held.shape[0] < nb.config.NUMBA_NUM_THREADS:
         held = np.empty((nb.config.NUMBA_NUM_THREADS, width), dtype)

@@ -32,7 +32,7 @@ panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intri
 
 panel_gemm_free(a, lda, rows, b, ldb, npanels, c, ldc, k, like), panel_gemm_free_cols(...)
     panel_gemm with B (k, npanels * 16) in place, row stride ldb, unit column stride
-    (batched.py); _cols reads A[r, kk] at a[kk * lda + r] (dG^T as dG is stored).
+    (batched.py); _cols forms (panel_gemm_cols too) read A[r, kk] at a[kk * lda + r].
 
 panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Numba function)
     The same product stored transposed, over any number of panels (T_PANELS at a time):
@@ -58,8 +58,8 @@ from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
 __all__ = ["DOT_GROUP", "MAX_ROWS", "PANEL", "ROWS", "VECTOR_BITS", "dot_rows", "panel_gemm",
-           "panel_gemm_for", "panel_gemm_free", "panel_gemm_free_cols", "panel_gemm_t",
-           "panels_per_tile", "row_dots", "rows_for",
+           "panel_gemm_cols", "panel_gemm_for", "panel_gemm_free", "panel_gemm_free_cols",
+           "panel_gemm_t", "panels_per_tile", "row_dots", "rows_for",
            "tile_height", "tile_settings"]
 
 PANEL = 16                                        # columns per packed panel
@@ -309,8 +309,7 @@ def panel_count(name, integers, npanels):
 
 
 def _gemm_intrinsic(transposed, a_by_columns=False, b_in_place=False):
-    """The micro-kernel as a Numba intrinsic (panel_gemm, panel_gemm_t, panel_gemm_free,
-    panel_gemm_free_cols: module docstring)."""
+    """The micro-kernel as a Numba intrinsic (panel_gemm and its forms: module docstring)."""
 
     @intrinsic
     def gemm(typingctx, a, lda, rows, panel, pstride, npanels, c, ldc, k, like):
@@ -349,7 +348,8 @@ def _gemm_intrinsic(transposed, a_by_columns=False, b_in_place=False):
 # cells, and a pickled intrinsic differs in every process (a new cache file each).
 panel_gemm = _gemm_intrinsic(False)
 _panel_gemm_t = _gemm_intrinsic(True)
-# B read in place (no packing), A by rows or by columns: batched.py
+# A by columns, and B read in place (no packing) with A by rows or by columns: batched.py
+panel_gemm_cols = _gemm_intrinsic(False, a_by_columns=True)
 panel_gemm_free = _gemm_intrinsic(False, b_in_place=True)
 panel_gemm_free_cols = _gemm_intrinsic(False, a_by_columns=True, b_in_place=True)
 

@@ -34,6 +34,7 @@ SHAPES = [
     [(8, 1536, 512, False), (1536, 8, 512, True)],      # GRU T=1 N=8 H=512's two forms
     [(130, 77, 35, False), (97, 5, 19, True)],          # partial panels, two row chunks
     [(40, 600, 64, False), (70, 40, 100, False)],       # strips packed (K and rows past the bounds)
+    [(200, 33, 70, True), (100, 17, 64, True)],         # A^T's blocks packed: row tails
     [(1, 3, 1, False), (3, 0, 17, True), (5, 1, 16, True)],   # one element, k = 0, k = 1
 ]
 
