@@ -4,6 +4,8 @@ its numpy example runs, it is short, and its sections come in a newcomer's order
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MAX_WORDS = 1200
@@ -20,6 +22,18 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 2
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines()
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group("fresh-compile")
+def test_ci_groups_keep_their_tests_on_one_worker(request):
+    """.ci/run's exhaustive tier (--dist loadgroup): a grouped test's id carries its group,
+    xdist's channel to its scheduler. With pytest 9.2 it silently did not (pytest-xdist
+    issue 1386; pyproject's test extra keeps pytest below), and each worker compiled the
+    fresh-compile group's kernels again."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("runs under pytest-xdist's --dist loadgroup (.ci/run's exhaustive tier)")
+    assert request.node.nodeid.endswith("@fresh-compile"), request.node.nodeid
 
 
 def test_install_commands_name_existing_extras():

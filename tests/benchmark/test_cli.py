@@ -31,6 +31,11 @@ def _selected():
     return [c for c in case_lib.cases(GROUPS.split(","), quick=True) if re.search(FILTER, c.name)]
 
 
+# The tests that read quick_run share one worker (.ci/run's --dist loadgroup), so its
+# module-scoped run happens once, not once per worker.
+QUICK_RUN = pytest.mark.xdist_group("bench-quick-run")
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -59,6 +64,7 @@ def test_selection_covers_every_group():
         (m, t) for m in case_lib.CELLS for t in (False, True)}
 
 
+@QUICK_RUN
 def test_header_names_the_machine_and_its_ceilings(quick_run):
     stdout, doc, _ = quick_run
     assert re.search(r"on .*family \d+ model \d+, LLVM \w+", stdout)
@@ -76,6 +82,7 @@ def test_header_names_the_machine_and_its_ceilings(quick_run):
     assert "oneDNN" in doc["ceilings"]["float32"]  # torch is installed with the test extra
 
 
+@QUICK_RUN
 def test_grid_headline_and_cells(quick_run):
     stdout, _, _ = quick_run
     head = _rows(stdout, "Grid: fusedrnn vs torch.nn")
@@ -90,6 +97,7 @@ def test_grid_headline_and_cells(quick_run):
     assert cells[0] == ["kind", "mode", "T", "N", "H=64"] and len(cells) == 1 + 8
 
 
+@QUICK_RUN
 def test_train_step_and_cases_tables(quick_run):
     stdout, _, _ = quick_run
     steps = _rows(stdout, "Training steps")
@@ -109,6 +117,7 @@ def test_train_step_and_cases_tables(quick_run):
     assert [r[1] for r in first_use[1:]] == ["fusedrnn", "torch"]
 
 
+@QUICK_RUN
 def test_json_and_plots(quick_run):
     _, doc, out = quick_run
     assert doc["grid_axes"] == {k: list(v) for k, v in zip("TNH", case_lib.GRID_QUICK)}
