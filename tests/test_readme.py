@@ -30,7 +30,8 @@ def test_ci_groups_keep_their_tests_on_one_worker(request):
     """.ci/run's exhaustive tier (--dist loadgroup): a grouped test's id carries its group,
     xdist's channel to its scheduler. With pytest 9.2 it silently did not (pytest-xdist
     issue 1386; pyproject's test extra keeps pytest below), and each worker compiled the
-    fresh-compile group's kernels again."""
+    fresh-compile group's kernels again. It reads xdist's suffix, its channel today: an
+    xdist that carries groups another way fails it, and then this test needs rewriting."""
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("runs under pytest-xdist's --dist loadgroup (.ci/run's exhaustive tier)")
     assert request.node.nodeid.endswith("@fresh-compile"), request.node.nodeid

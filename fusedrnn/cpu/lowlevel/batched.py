@@ -3,7 +3,7 @@
 At T=1 dx = dG @ W_x, dh_0 = dG @ W_h, dW_x = dG^T @ x and dW_h = dG^T @ h_0 are each too
 small to pay a launch (a sleeping helper's wake each, or OpenBLAS's workers spinning
 after), and packing W whole reads it twice: here they share one region's work items, B
-read in place (panel_gemm_free) or a strip packed per item (_packs), with A by columns.
+read in place (panel_gemm_free) or a strip packed per item (_packs; by columns A's too).
 Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 
@@ -51,8 +51,8 @@ QUAD = 4
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region
 SERIAL_WORK = 1 << 21
 # Rows past one tile (_TILES: the tallest of QUAD panels' tiles) read B's strip once per
-# tile: in place it stayed cached up to PACK_K and PACK_ROWS; past either it is packed.
-# By columns (dG^T) both, and A's block, past PACK_COLUMNS_K (16 lines: two L1 sets).
+# tile: cached in place up to PACK_K and PACK_ROWS, else packed; by columns (dG^T) with A's
+# block past PACK_COLUMNS_K k rows (a power-of-two stride: one or two L1 sets, 8-16 lines).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 PACK_K = 512
@@ -64,6 +64,7 @@ _TILES = tuple(tile_height(t, max(_groups(QUAD, panels_per_tile(t))))
 
 @nb.njit(inline="always")
 def _packs(size, rows, K, by_columns):
+    """Whether an item of `rows` rows (elements of `size` bytes) packs B's strip first."""
     if rows <= (_TILES[0] if size == 4 else _TILES[1]):
         return False
     return K > PACK_COLUMNS_K if by_columns else K > PACK_K or rows > PACK_ROWS
@@ -114,7 +115,7 @@ def _fill(row, a, b, c, by_columns, first, work):
 @nb.njit(inline="always")
 def _run_item(jobs, item, like, strips, worker):
     """The work item `item` of all jobs: a chunk of rows by a group of panels; `worker`'s
-    row of `strips` holds B's panels where the rows take several tiles."""
+    row of `strips` holds B's packed panels, then by columns A's block (_packs)."""
     j = jobs.shape[0] - 1
     while jobs[j, 10] > item:
         j -= 1
@@ -141,7 +142,7 @@ def _run_item(jobs, item, like, strips, worker):
                 row_copy(strip + (q * K + k) * PANEL * size,
                          b + (k * ldb + (p + q) * PANEL) * size, PANEL, like)
         if by_columns:   # A's block after the strip, k-major: A[r, k] at [k * rows + r]
-            block = np.int64(strip) + QUAD * K * PANEL * size   # (a_r's type)
+            block = strip + QUAD * K * PANEL * size
             for k in range(K):
                 for u in range(0, rows, PANEL):
                     row_copy(block + (k * rows + u) * size, a_r + (k * lda + u) * size,
@@ -230,8 +231,7 @@ _strips = threading.local()
 
 
 def _strips_for(jobs, dtype):
-    """This thread's scratch for B's strips and A's blocks by columns, a row per Numba
-    thread (kept: fresh pages cost more than the copy)."""
+    """A row per Numba thread for B's strips and A's blocks, kept (fresh pages cost more)."""
     width = max((row[8] * (QUAD * PANEL + ITEM_ROWS * row[9]) for row in jobs.tolist()),
                 default=1)
     held = getattr(_strips, dtype.char, None)

@@ -30,9 +30,11 @@ panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intri
     like     any scalar of the data's dtype (float32 or float64): picks the precision
     All three are of that dtype; C must not overlap A or the panels.
 
+panel_gemm_cols(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)
+    panel_gemm reading A[r, kk] at a[kk * lda + r] (dG^T as dG is stored; batched.py).
 panel_gemm_free(a, lda, rows, b, ldb, npanels, c, ldc, k, like), panel_gemm_free_cols(...)
-    panel_gemm with B (k, npanels * 16) in place, row stride ldb, unit column stride
-    (batched.py); _cols forms (panel_gemm_cols too) read A[r, kk] at a[kk * lda + r].
+    panel_gemm with B (k, npanels * 16) in place, row stride ldb, unit column stride; the
+    _cols form reads A as panel_gemm_cols does.
 
 panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Numba function)
     The same product stored transposed, over any number of panels (T_PANELS at a time):

@@ -34,7 +34,7 @@ SHAPES = [
     [(8, 1536, 512, False), (1536, 8, 512, True)],      # GRU T=1 N=8 H=512's two forms
     [(130, 77, 35, False), (97, 5, 19, True)],          # partial panels, two row chunks
     [(40, 600, 64, False), (70, 40, 100, False)],       # strips packed (K and rows past the bounds)
-    [(200, 33, 70, True), (100, 17, 64, True)],         # A^T's blocks packed: row tails
+    [(229, 33, 100, True), (100, 17, 64, True)],        # A^T's blocks packed: row tails
     [(1, 3, 1, False), (3, 0, 17, True), (5, 1, 16, True)],   # one element, k = 0, k = 1
 ]
 
@@ -81,6 +81,18 @@ def test_nothing_past_each_output_is_written(monkeypatch, team):
     for base, (_, _, out, _) in zip(bases, jobs, strict=True):
         assert np.isnan(base[:, 0]).all() and np.isnan(base[:, -1]).all()
         assert np.isfinite(out).all()
+
+
+def test_the_scratch_holds_each_workers_strip_and_block(monkeypatch):
+    """_strips_for: a row per Numba thread wide enough for QUAD packed panels of k rows and,
+    by columns, an item's block of A (ITEM_ROWS x k) after them."""
+    monkeypatch.setattr(module, "_strips", module.threading.local())   # (none kept yet)
+    rng = np.random.default_rng(5)
+    jobs, _ = _jobs(rng, np.float32, [(229, 33, 100, True)])
+    rows = job_rows(jobs, np.dtype(np.float32))[0]
+    held = module._strips_for(rows, np.dtype(np.float32))
+    assert held.shape[0] >= module.nb.config.NUMBA_NUM_THREADS
+    assert held.shape[1] >= 33 * (module.QUAD * module.PANEL + module.ITEM_ROWS)
 
 
 @pytest.mark.parametrize("bad", ["dtype", "column stride", "reversed rows", "k", "columns",
