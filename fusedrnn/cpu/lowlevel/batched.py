@@ -57,7 +57,7 @@ SERIAL_WORK = 1 << 21
 # bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 PACK_K = 512
 PACK_ROWS = 64
-PACK_COLUMNS_K = 16
+PACK_COLUMNS_K = 8
 _TILES = tuple(tile_height(t, max(_groups(QUAD, panels_per_tile(t))))
                for t in (np.float32, np.float64))
 
