@@ -598,8 +598,8 @@ def l2_bytes(base="/sys/devices/system/cpu/cpu0/cache"):
 
 
 def loop_bytes_bound(l2):
-    """SERIAL_LOOP_BYTES for a core's L2 of `l2` bytes (None: unknown, 1 MiB as on Zen 4
-    and Zen 5), held within the L2s it was measured at, 512 KiB to 1 MiB."""
+    """SERIAL_LOOP_BYTES for a core's L2 of `l2` bytes (None: unknown, taken as Zen 4's and
+    Zen 5's), held within the smallest and largest L2 it was measured at."""
     return min(max(l2 or 1 << 20, 1 << 19), 1 << 20)
 
 

@@ -52,7 +52,7 @@ QUAD = 4
 SERIAL_WORK = 1 << 21
 # Rows past one tile (_TILES: the tallest of QUAD panels' tiles) read B's strip once per
 # tile: cached in place up to PACK_K and PACK_ROWS, else packed; by columns (dG^T) with A's
-# block past PACK_COLUMNS_K k rows (a power-of-two stride: one or two L1 sets, 8-16 lines).
+# block past PACK_COLUMNS_K k rows (at a power-of-two stride they share one or two L1 sets).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
 PACK_K = 512
