@@ -533,7 +533,9 @@ class RecurrentOp:
         else:
             g_params = xp.empty(lay.size, dtype=self.dtype)
             g_data = xp.empty(data.shape, dtype=self.dtype)
-        g_h0 = xp.empty((L * D, N, R), dtype=self.dtype)
+        # No initial state: its gradient is not returned (op.rnn_backward), nor computed
+        # Measured: bench/results/cpu-kernel-notes.md#op-no-products-for-an-initial-state-that-was-not-given
+        g_h0 = None if h0 is None else xp.empty((L * D, N, R), dtype=self.dtype)
         g_c0 = xp.empty((L * D, N, H), dtype=self.dtype) if cell.has_cell_state else None
         masks = self._length_masks(opts)
         if dout is None:
@@ -555,7 +557,8 @@ class RecurrentOp:
             if jobs is not None:
                 jobs.append((b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1), False))
                 self.backend.products(jobs, self.dtype)
-                g_h0[layer * D:(layer + 1) * D] += b.dh_first
+                if g_h0 is not None:
+                    g_h0[layer * D:(layer + 1) * D] += b.dh_first
             else:
                 self._gemm(b, b.dgx, self.packed_wx(params, layer), dx.reshape(T * N, -1))
             if layer > 0 and reserve.masks:
@@ -565,8 +568,9 @@ class RecurrentOp:
 
     def _direction_backward(self, layer, d, reserve, params, g_params, x2d, dy, dhy, dcy,
                             opts, masks, b, g_h0, g_c0, jobs=None):
-        """One direction's loop, dh_0, dc_0 and parameter gradients; with `jobs` (a list)
-        its GEMMs are appended there as (a, b, out, transpose_a), dh_rec's into dh_first."""
+        """One direction's loop, dh_0 (where g_h0 is not None: an initial state was
+        given), dc_0 and parameter gradients; with `jobs` (a list) its GEMMs are appended
+        there as (a, b, out, transpose_a), dh_rec's into dh_first."""
         cfg, T, N, lay = self.config, self.T, self.N, self.layout
         D, GH, R = cfg.directions, cfg.gate_rows, cfg.recurrent_size
         cell, proj = cfg.cell, bool(cfg.projection_size)
@@ -582,10 +586,10 @@ class RecurrentOp:
         if cell.has_cell_state:
             b.dc_carry[...] = dcy[idx] if dcy is not None else 0
         carried = self.driver.direction_backward(layer, d, reserve, params, dy, opts, masks,
-                                                 b, use_h_carry, jobs)
-        if jobs is not None:   # (dh_rec's part comes with the products: _backward)
+                                                 b, use_h_carry, jobs, g_h0 is not None)
+        if g_h0 is not None and jobs is not None:   # (dh_rec's part: with the products)
             g_h0[idx] = b.dh_carry if carried else 0
-        else:
+        elif g_h0 is not None:
             g_h0[idx] = b.dh_rec
             if carried:
                 g_h0[idx] += b.dh_carry
@@ -595,12 +599,15 @@ class RecurrentOp:
         w_grads = ((b.dgx[:, cols], x2d, lay.view(g_params, layer, d, "W_x")),
                    (dgh[:, cols], hs[d, prev:prev + T].reshape(T * N, R),
                     lay.view(g_params, layer, d, "W_h")))
+        if g_h0 is None and T == 1:   # dG^T h_0 with h_0 = 0: a zero W_h gradient
+            w_grads[1][2][...] = 0
+            w_grads = w_grads[:1]
         gemm = self._gemm
         if jobs is not None:
             jobs += [(a, w, out, True) for a, w, out in w_grads]
         else:
-            gemm(b, *w_grads[0], transpose_a=True)
-            gemm(b, *w_grads[1], transpose_a=True, a_again=not cell.split_gate_grads)
+            for k, (a, w, out) in enumerate(w_grads):
+                gemm(b, a, w, out, transpose_a=True, a_again=k > 0 and not cell.split_gate_grads)
         if proj:
             gemm(b, b.dr.reshape(T * N, R), reserve.hraw[layer, d].reshape(T * N, -1),
                  lay.view(g_params, layer, d, "W_r"), transpose_a=True)
@@ -677,9 +684,10 @@ class StepDriver:
                     y[:, :, d * R:(d + 1) * R] = states
 
     def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry,
-                           jobs=None):
+                           jobs=None, state_grad=True):
         """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (the backend's
-        GEMM). Returns whether b.dh_carry holds a part of dh_0. (jobs: FusedDriver's.)"""
+        GEMM). Returns whether b.dh_carry holds a part of dh_0. (jobs, state_grad:
+        FusedDriver's; here every step's product feeds the next.)"""
         if jobs is not None:
             raise ValueError("StepDriver.direction_backward: no products to defer, got jobs")
         op = self.op
@@ -801,10 +809,10 @@ class FusedDriver:
                               *self._tail(opts))
 
     def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry,
-                           jobs=None):
-        """The layer's backward loop, then the last dh_rec = dg @ W_h of the direction's
-        first step (with `jobs`: appended there, into b.dh_first[d]). The loop always
-        leaves a direct carry in b.dh_carry."""
+                           jobs=None, state_grad=True):
+        """The layer's backward loop, then, where state_grad (dh_0 is wanted), the last
+        dh_rec = dg @ W_h of the direction's first step (with `jobs`: appended there, into
+        b.dh_first[d]). The loop always leaves a direct carry in b.dh_carry."""
         op = self.op
         xp, cfg, T, N = op.xp, op.config, op.T, op.N
         D, GH, split = cfg.directions, cfg.gate_rows, cfg.cell.split_gate_grads
@@ -817,6 +825,8 @@ class FusedDriver:
                             reserve.cs[layer], reserve.saved[layer], dgx3, dgh3, b.dh_rec,
                             b.dh_carry, b.dc_carry, self._backward_views(b),
                             *self._tail(opts))
+        if not state_grad:
+            return True
         first = 0 if d == 0 else T - 1
         # (the backend's GEMM, as the op's others: at T=1 a whole step's product; with
         # `jobs`, in one region with the layer's other products)

@@ -77,6 +77,39 @@ def test_missing_states_default_to_zero(mode):
     assert rel_err(out, ref_out) <= 1e-10
 
 
+@pytest.mark.parametrize("together", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("mode, L, D, projection", [
+    ("rnn_relu", 1, 2, None), ("rnn_tanh", 2, 1, None), ("gru", 2, 2, None),
+    ("lstm", 1, 2, None), ("lstm", 2, 1, 3)])
+def test_a_backward_without_initial_states_skips_their_products(monkeypatch, mode, L, D,
+                                                                projection, T, together):
+    """Without initial states their gradients are None and not computed (dh_0 = dG @ W_h
+    of each first step), and at T=1 dW_h = dG^T h_0 is zero, no product: every other
+    gradient equals an explicit zero state's, bit for bit (float32, the single step's
+    products together or apart: `together` patches the bound)."""
+    monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "step_products",
+                        staticmethod(lambda dtype, work: together))
+    case, kw, heads = make_case(mode, T=T, N=7, I=5, H=20, L=L, D=D, dtype=np.float32,
+                                states=False)
+    kw["projection_size"] = projection
+    R = projection or 20
+    size = fusedrnn.param_size(input_size=5, **kw)
+    case["parameters"] = np.random.default_rng(1).uniform(-0.2, 0.2, size).astype(np.float32)
+    heads["dout"], heads["dhy"] = heads["dout"][..., :D * R], heads["dhy"][..., :R]
+    zeros = np.zeros((L * D, 7, 20), np.float32)
+    given = dict(state=zeros[..., :R], state_cell=zeros if CELLS[mode].has_cell_state else None)
+    grads = []
+    for states in (given, {}):
+        *_, handle = fusedrnn.RNN(**dict(case, **states), **kw, state_outputs=True, train=True)
+        grads.append(fusedrnn.rnn_backward(handle, **heads))
+    explicit, none = grads
+    assert none.state is None and none.state_cell is None
+    assert explicit.state is not None and np.abs(explicit.state).max() > 0
+    np.testing.assert_array_equal(none.data, explicit.data)
+    np.testing.assert_array_equal(none.parameters, explicit.parameters)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_output_arity_like_mxnet(mode):
     case, kw, _ = make_case(mode)
