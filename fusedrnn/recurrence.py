@@ -534,7 +534,7 @@ class RecurrentOp:
             g_params = xp.empty(lay.size, dtype=self.dtype)
             g_data = xp.empty(data.shape, dtype=self.dtype)
         # No initial state: its gradient is not returned (op.rnn_backward), nor computed
-        # Measured: bench/results/cpu-kernel-notes.md#op-no-products-for-an-initial-state-that-was-not-given
+        # Measured: bench/results/cpu-kernel-notes.md#op-no-products-for-an-absent-initial-state
         g_h0 = None if h0 is None else xp.empty((L * D, N, R), dtype=self.dtype)
         g_c0 = xp.empty((L * D, N, H), dtype=self.dtype) if cell.has_cell_state else None
         masks = self._length_masks(opts)
@@ -587,12 +587,13 @@ class RecurrentOp:
             b.dc_carry[...] = dcy[idx] if dcy is not None else 0
         carried = self.driver.direction_backward(layer, d, reserve, params, dy, opts, masks,
                                                  b, use_h_carry, jobs, g_h0 is not None)
-        if g_h0 is not None and jobs is not None:   # (dh_rec's part: with the products)
-            g_h0[idx] = b.dh_carry if carried else 0
-        elif g_h0 is not None:
-            g_h0[idx] = b.dh_rec
-            if carried:
-                g_h0[idx] += b.dh_carry
+        if g_h0 is not None:
+            if jobs is not None:   # (dh_rec's part comes with the products: _backward)
+                g_h0[idx] = b.dh_carry if carried else 0
+            else:
+                g_h0[idx] = b.dh_rec
+                if carried:
+                    g_h0[idx] += b.dh_carry
         if cell.has_cell_state:
             g_c0[idx] = b.dc_carry
         # Weight gradients: one GEMM over all T*N rows per direction.

@@ -90,6 +90,18 @@ def test_a_backward_without_initial_states_skips_their_products(monkeypatch, mod
     products together or apart: `together` patches the bound)."""
     monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "step_products",
                         staticmethod(lambda dtype, work: together))
+    work = []   # multiply-adds of each call's GEMMs (forward and backward)
+    matmul, products = fusedrnn.cpu.CpuBackend.matmul, fusedrnn.cpu.CpuBackend.products
+
+    def counted_matmul(a, b, out, transpose_a=False, **kw):
+        work[-1] += a.size * b.shape[1]
+        return matmul(a, b, out, transpose_a, **kw)
+
+    def counted_products(jobs, dtype):
+        work[-1] += sum(a.size * b.shape[1] for a, b, _, _ in jobs)
+        return products(jobs, dtype)
+    monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "matmul", staticmethod(counted_matmul))
+    monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "products", staticmethod(counted_products))
     case, kw, heads = make_case(mode, T=T, N=7, I=5, H=20, L=L, D=D, dtype=np.float32,
                                 states=False)
     kw["projection_size"] = projection
@@ -101,9 +113,15 @@ def test_a_backward_without_initial_states_skips_their_products(monkeypatch, mod
     given = dict(state=zeros[..., :R], state_cell=zeros if CELLS[mode].has_cell_state else None)
     grads = []
     for states in (given, {}):
+        work.append(0)
         *_, handle = fusedrnn.RNN(**dict(case, **states), **kw, state_outputs=True, train=True)
         grads.append(fusedrnn.rnn_backward(handle, **heads))
     explicit, none = grads
+    # fewer products: each first step's dh_0 (the fused layers'), at T=1 dW_h too
+    if projection is None:
+        G = {"rnn_relu": 1, "rnn_tanh": 1, "gru": 3, "lstm": 4}[mode]
+        skipped = L * D * 7 * G * 20 * 20 * (1 + (T == 1))
+        assert work[0] - work[1] == skipped, (work, skipped)
     assert none.state is None and none.state_cell is None
     assert explicit.state is not None and np.abs(explicit.state).max() > 0
     np.testing.assert_array_equal(none.data, explicit.data)
