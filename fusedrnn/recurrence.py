@@ -687,8 +687,8 @@ class StepDriver:
     def direction_backward(self, layer, d, reserve, params, dy, opts, masks, b, use_h_carry,
                            jobs=None, state_grad=True):
         """Per step: the cell's backward kernel, then dh_rec = dg @ W_h (the backend's
-        GEMM). Returns whether b.dh_carry holds a part of dh_0. (jobs, state_grad:
-        FusedDriver's; here every step's product feeds the next.)"""
+        GEMM), at the direction's first step only where state_grad (it feeds dh_0 alone).
+        Returns whether b.dh_carry holds a part of dh_0. (jobs: FusedDriver's.)"""
         if jobs is not None:
             raise ValueError("StepDriver.direction_backward: no products to defer, got jobs")
         op = self.op
@@ -704,7 +704,9 @@ class StepDriver:
         h_carry = b.dh_carry if use_h_carry else empty
         c_carry = b.dc_carry if lstm else empty
         prev, nxt, cols, inactive = PREV[d], NEXT[d], slice(d * GH, (d + 1) * GH), masks[1]
-        for t in reversed(op.steps(d)):
+        steps = op.steps(d)
+        for t in reversed(steps):
+            product = state_grad or t != steps[0]
             c_prev = cs[d, t + prev] if lstm else empty
             c_t = cs[d, t + nxt] if lstm else empty
             if proj:
@@ -713,15 +715,17 @@ class StepDriver:
                 self.backward_step(b.dhraw, empty, empty, c_carry, saved[d, t], empty, c_prev,
                                    c_t, dgx3[t, :, cols], empty, empty, c_carry,
                                    *self._tail(opts, t))
-                xp.matmul(dgx3[t, :, cols], w_h, out=b.dh_rec)
-                if inactive is not None:
+                if product:
+                    xp.matmul(dgx3[t, :, cols], w_h, out=b.dh_rec)
+                if product and inactive is not None:
                     xp.copyto(b.dh_rec, b.dr[t], where=inactive[t])
             else:
                 self.backward_step(dy[t, :, d * R:(d + 1) * R], b.dh_rec, h_carry, c_carry,
                                    saved[d, t], hs[d, t + prev], c_prev, c_t, dgx3[t, :, cols],
                                    dgh3[t, :, cols] if split else empty,
                                    h_carry, c_carry, *self._tail(opts, t))
-                xp.matmul(dgh3[t, :, cols], w_h, out=b.dh_rec)
+                if product:
+                    xp.matmul(dgh3[t, :, cols], w_h, out=b.dh_rec)
         return use_h_carry
 
 
