@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from ..config import TORCH_CALLER, dtype_name
@@ -52,12 +53,22 @@ OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
 # multiply-adds (fewer: one BLAS thread's won; a torch program's from any size, one call for
-# all) up to STEP_PRODUCTS_MOST (past it BLAS in parts won), in own_gemm's dtypes.
+# all) up to STEP_PRODUCTS_MOST, in own_gemm's dtypes: by CPU kind where measured (Zen 3:
+# no size lost), else the Intel machine's (past it BLAS in parts won).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3,
-# bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step
+# bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step,
+# bench/results/cpu-kernel-notes.md#batched-no-upper-bound-on-zen-3
 STEP_PRODUCTS_WORK = 1 << 21
-STEP_PRODUCTS_MOST = 1 << 28
+STEP_PRODUCTS_MOST_BY_KIND = {"znver3": 1 << 62}
+
+
+def step_products_most(kind):
+    """STEP_PRODUCTS_MOST on a CPU of LLVM name `kind`."""
+    return STEP_PRODUCTS_MOST_BY_KIND.get(kind, 1 << 28)
+
+
+STEP_PRODUCTS_MOST = step_products_most(llvm.get_host_cpu_name())
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24

@@ -203,3 +203,16 @@ def test_a_single_steps_products_go_together_between_the_bounds(dtype):
             [own, own, own, False]
     finally:
         TORCH_CALLER.reset(token)
+
+
+@pytest.mark.parametrize("kind, want", [
+    ("znver3", 1 << 62),       # measured: together at every size on Zen 3
+    ("rocketlake", 1 << 28),   # measured there: BLAS in parts won past it
+    ("znver5", 1 << 28)])      # unmeasured kinds keep the Intel machine's
+def test_the_single_steps_upper_bound_by_cpu_kind(kind, want):
+    assert cpu.step_products_most(kind) == want
+
+
+def test_the_single_steps_upper_bound_is_this_machines():
+    import llvmlite.binding as llvm
+    assert cpu.STEP_PRODUCTS_MOST == cpu.step_products_most(llvm.get_host_cpu_name())
