@@ -83,6 +83,43 @@ def test_the_first_tier_projects_as_the_fused_path_does(dtype):
         assert rel_err(a, b) <= tolerance(dtype)
 
 
+def _gradients(backend, case, kw, heads, opts, P=None):
+    """(g_data, g_params, g_h0, g_c0) of a training forward and backward on a fresh op."""
+    T, N, I = case["data"].shape
+    cfg = RNNConfig(mode=kw["mode"], input_size=I, state_size=kw["state_size"],
+                    num_layers=kw["num_layers"], bidirectional=kw["bidirectional"],
+                    projection_size=P)
+    op = RecurrentOp(backend, cfg, T, N, case["data"].dtype)
+    args = (case["data"], case["parameters"], case["state"], case["state_cell"], opts)
+    reserve = op.take_reserve()
+    op.forward(*args, reserve)
+    return op.backward(reserve, *args, heads["dout"], heads["dhy"], heads["dcy"])
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("mode, P", [(mode, None) for mode in MODES] + [("lstm", 3)])
+@pytest.mark.parametrize("backend", ["first tier", "fused"])
+def test_without_initial_states_the_gradients_are_a_zero_states(backend, mode, P, T):
+    """Without initial states the backward skips their products (the step-by-step driver
+    its first step's, on the first tier and for the projected LSTM): the data and parameter
+    gradients are an explicit zero state's, with sequence lengths, both directions."""
+    backend = FIRST_TIER if backend == "first tier" else BACKEND
+    case, kw, heads = make_case(mode, T=T, N=3, I=5, H=6, L=2, D=2, seed=11)
+    R = P or 6
+    if P:
+        case["parameters"] = np.random.default_rng(12).uniform(-0.4, 0.4, fusedrnn.param_size(
+            input_size=5, projection_size=P, **kw))
+        heads["dout"], heads["dhy"] = heads["dout"][..., :2 * R].copy(), heads["dhy"][..., :R]
+    opts = CallOptions(lengths=np.array([T, 1, max(1, T - 1)], np.int64))
+    zero = dict(case, state=np.zeros((4, 3, R)),
+                state_cell=np.zeros((4, 3, 6)) if CELLS[mode].has_cell_state else None)
+    want = _gradients(backend, zero, kw, heads, opts, P)
+    got = _gradients(backend, dict(case, state=None, state_cell=None), kw, heads, opts, P)
+    assert got[2] is None and want[2] is not None
+    for a, b in zip(got[:2], want[:2]):
+        assert rel_err(a, b) <= 1e-12
+
+
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
 @pytest.mark.parametrize("mode", MODES)
 def test_the_first_tier_in_half_precision(mode, half):
