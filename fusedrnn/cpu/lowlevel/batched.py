@@ -157,15 +157,11 @@ def _run_item(jobs, item, like, strips, worker):
                         c_r + (p + q) * PANEL * size, ldc, K, by_columns, like)
         return
     if stop - p == QUAD:
-        if by_columns:
-            panel_gemm_free_cols(a_r, lda, rows, b + p * PANEL * size, ldb, QUAD,
-                                 c_r + p * PANEL * size, ldc, K, like)
-        else:
-            panel_gemm_free(a_r, lda, rows, b + p * PANEL * size, ldb, QUAD,
-                            c_r + p * PANEL * size, ldc, K, like)
+        _free(a_r, lda, rows, b + p * PANEL * size, ldb, QUAD, c_r + p * PANEL * size, ldc, K,
+              by_columns, like)
         return
     for q in range(p, stop):
-        _free(a_r, lda, rows, b + q * PANEL * size, ldb, c_r + q * PANEL * size, ldc, K,
+        _free(a_r, lda, rows, b + q * PANEL * size, ldb, 1, c_r + q * PANEL * size, ldc, K,
               by_columns, like)
 
 
@@ -179,12 +175,12 @@ def _packed(a, lda, rows, strip, pstride, npanels, c, ldc, K, by_columns, like):
 
 
 @nb.njit(inline="always")
-def _free(a, lda, rows, b, ldb, c, ldc, K, by_columns, like):
-    """panel_gemm_free or its _cols form, over one panel (a run-time choice)."""
+def _free(a, lda, rows, b, ldb, npanels, c, ldc, K, by_columns, like):
+    """panel_gemm_free or its _cols form (a run-time choice)."""
     if by_columns:
-        panel_gemm_free_cols(a, lda, rows, b, ldb, 1, c, ldc, K, like)
+        panel_gemm_free_cols(a, lda, rows, b, ldb, npanels, c, ldc, K, like)
     else:
-        panel_gemm_free(a, lda, rows, b, ldb, 1, c, ldc, K, like)
+        panel_gemm_free(a, lda, rows, b, ldb, npanels, c, ldc, K, like)
 
 
 @nb.njit
@@ -196,7 +192,8 @@ def _tail_columns(a, lda, rows, b, ldb, width, c, ldc, K, by_columns, like):
     spill = np.empty((rows, PANEL), panel.dtype)
     for k in range(K):
         row_copy(panel.ctypes.data + k * PANEL * size, b + k * ldb * size, width, like)
-    _free(a, lda, rows, panel.ctypes.data, PANEL, spill.ctypes.data, PANEL, K, by_columns, like)
+    _free(a, lda, rows, panel.ctypes.data, PANEL, 1, spill.ctypes.data, PANEL, K, by_columns,
+          like)
     for i in range(rows):
         row_copy(c + i * ldc * size, spill.ctypes.data + i * PANEL * size, width, like)
 
