@@ -52,9 +52,8 @@ _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): na
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
 # A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
-# multiply-adds (fewer: one BLAS thread's won; a torch program's from any size, one call for
-# all) up to STEP_PRODUCTS_MOST, in own_gemm's dtypes. The upper bound is where BLAS in parts
-# overtook the region, per CPU kind (step_products_most); kinds not measured take the first's.
+# multiply-adds (fewer: one BLAS thread's won; a torch program's from any size) up to where
+# BLAS in parts overtook them, per CPU kind (step_products_most; unmeasured: the first's).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3,
 # bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step,

@@ -33,8 +33,7 @@ panel_gemm(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (Numba intri
 panel_gemm_cols(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)
     panel_gemm reading A[r, kk] at a[kk * lda + r] (dG^T as dG is stored; batched.py).
 panel_gemm_free(a, lda, rows, b, ldb, npanels, c, ldc, k, like), panel_gemm_free_cols(...)
-    panel_gemm with B (k, npanels * 16) in place, row stride ldb, unit column stride; the
-    _cols form reads A as panel_gemm_cols does.
+    panel_gemm with B (k, npanels * 16) in place (row stride ldb); _cols reads A as above.
 
 panel_gemm_t(a, lda, rows, panel, pstride, npanels, c, ldc, k, like)  (inline Numba function)
     The same product stored transposed, over any number of panels (T_PANELS at a time):
