@@ -453,8 +453,8 @@ class RecurrentOp:
                 "dr": (T, N, R if proj else 0),        # gradient w.r.t. each step's r
                 "dh_rec": (N, R),
                 "dh_carry": (N, R),
-                # a single step's dh_rec products, one per direction (_backward: together)
-                "dh_first": (D if self.driver.single else 0, N, R),
+                # the first steps' dh_rec products, one per direction (_backward: together)
+                "dh_first": (D if self.driver.takes_jobs else 0, N, R),
                 "dc_carry": (N, H if cfg.cell.has_cell_state else 0),
                 "pairs": (self._pair_scratch(),),   # 4-byte elements, viewed as uint32
                 # half precision: the float32 head gradient and the float32 gradients of
@@ -507,19 +507,22 @@ class RecurrentOp:
         return self._outward(*grads) if self.plan.converts else grads
 
     def _together(self):
-        """Per layer, whether a single step's backward products go to the backend together
-        (its step_products), remembered for a numpy and for a torch program's calls (the
-        one fact of a call it reads: config.TORCH_CALLER)."""
+        """Per layer, whether the backward's products go to the backend together (its
+        step_products at T=1, sequence_products past it), remembered for a numpy and for a
+        torch program's calls (the one fact of a call it reads: config.TORCH_CALLER)."""
         program = TORCH_CALLER.get() is None
         together = self._together_in.get(program)
         if together is None:
-            cfg, N, R, single = self.config, self.N, self.config.recurrent_size, \
-                self.driver.single and not self.plan.half_gemms
-            GH2 = 2 * N * cfg.directions * cfg.gate_rows
+            cfg, rows, backend = self.config, self.T * self.N, self.backend
+            GH, D, R = cfg.gate_rows, cfg.directions, cfg.recurrent_size
+
+            def goes(n_in):   # (a single step's four products in all; else the largest)
+                if self.driver.single:
+                    return backend.step_products(self.dtype, 2 * rows * D * GH * (n_in + R))
+                return backend.sequence_products(self.dtype, rows, rows * GH * max(D * n_in, R))
             together = self._together_in[program] = tuple(
-                single and self.backend.step_products(
-                    self.dtype, GH2 * (cfg.layer_input_size(layer) + R))
-                for layer in range(cfg.num_layers))
+                self.driver.takes_jobs and not self.plan.half_gemms and
+                goes(cfg.layer_input_size(layer)) for layer in range(cfg.num_layers))
         return together
 
     def _backward(self, reserve, data, params, h0, c0, opts, dout, dhy, dcy, together):
@@ -542,8 +545,8 @@ class RecurrentOp:
             b.zeros_out[...] = 0
             dout = b.zeros_out
         dy = dout
-        # A single step's products (each too small for a launch of its own) go to the
-        # backend together, once a layer's directions are done, where it takes them.
+        # A layer's products (a single step's each too small for a launch of its own) go to
+        # the backend together, once its directions are done, where it takes them.
         for layer in range(L - 1, -1, -1):
             x2d = (data if layer == 0 else reserve.ys[layer - 1]).reshape(T * N, -1)
             if cfg.projection_size and masks[0] is not None:
@@ -626,6 +629,7 @@ class StepDriver:
     the projected LSTM included."""
 
     single = False   # (FusedDriver's T=1 form)
+    takes_jobs = False   # (FusedDriver's backward defers its products)
 
     def __init__(self, op, forward_step, backward_step):
         self.op, self.forward_step, self.backward_step = op, forward_step, backward_step
@@ -732,6 +736,8 @@ class StepDriver:
 class FusedDriver:
     """Each layer direction in one call of the backend's FusedLayer; at T=1 its
     single-step form where it has one (cpu/fused.py: why)."""
+
+    takes_jobs = True   # direction_backward appends its products to `jobs`
 
     def __init__(self, op, layer):
         self.op, self.layer = op, layer

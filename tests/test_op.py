@@ -86,10 +86,12 @@ def test_a_backward_without_initial_states_skips_their_products(monkeypatch, mod
                                                                 projection, T, together):
     """Without initial states their gradients are None and not computed (dh_0 = dG @ W_h
     of each first step), and at T=1 dW_h = dG^T h_0 is zero, no product: every other
-    gradient equals an explicit zero state's, bit for bit (float32, the single step's
-    products together or apart: `together` patches the bound)."""
+    gradient equals an explicit zero state's, bit for bit (float32, the backward's
+    products together or apart: `together` patches both bounds)."""
     monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "step_products",
                         staticmethod(lambda dtype, work: together))
+    monkeypatch.setattr(fusedrnn.cpu.CpuBackend, "sequence_products",
+                        staticmethod(lambda dtype, rows, work: together))
     work = []   # multiply-adds of each call's GEMMs (forward and backward)
     matmul, products = fusedrnn.cpu.CpuBackend.matmul, fusedrnn.cpu.CpuBackend.products
 

@@ -20,7 +20,9 @@ from .heap import raise_mmap_threshold  # noqa: E402
 from .lowlevel import (  # noqa: E402
     CHUNK,
     HAS_BF16,
+    ITEM_ROWS,
     PANEL,
+    QUAD,
     interleave_rows,
     job_rows,
     narrow,
@@ -45,15 +47,13 @@ OWN_GEMM_WORK = 1 << 28
 # astype's own conversions, (from, to) -> the kernel, which takes the half side as bits
 _HALF_CONVERSIONS = {("bfloat16", "float32"): widen, ("float32", "bfloat16"): narrow,
                      ("float16", "float32"): widen_f16, ("float32", "float16"): narrow_f16}
-# In a torch program a float32 weight gradient a^T @ b with b at least this wide and this
-# many multiply-adds runs as torch's transposing copy of a, then the micro-kernel
-# (narrower ones gained nothing).
+# A torch program's float32 weight gradient a^T @ b with b this wide and this large runs as
+# torch's transposing copy of a, then the micro-kernel (narrower ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms
 OWN_GRADIENT_COLUMNS = 512
 OWN_GRADIENT_WORK = 1 << 29
-# A single step's backward products run together (step_products) past STEP_PRODUCTS_WORK
-# multiply-adds (fewer: one BLAS thread's won; a torch program's from any size) up to where
-# BLAS in parts overtook them, per CPU kind (step_products_most; unmeasured: the first's).
+# A single step's backward products run together past STEP_PRODUCTS_WORK multiply-adds (a
+# torch program's from any) to where BLAS in parts won, per CPU kind (step_products_most).
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
 # bench/results/cpu-kernel-notes.md#batched-on-256-bit-tiles-zen-3,
 # bench/results/cpu-kernel-notes.md#batched-a-torch-programs-single-step,
@@ -68,6 +68,20 @@ def step_products_most(kind):
 
 
 STEP_PRODUCTS_MOST = step_products_most(llvm.get_host_cpu_name())
+# A longer sequence's (T*N rows): while an item's A and B strips fit `l2s` cores' L2s and
+# its largest GEMM has at most `most` multiply-adds, by program kind.
+# Measured: bench/results/cpu-kernel-notes.md#batched-a-sequences-backward-in-one-region
+SEQUENCE_PRODUCTS = {"numpy": (2, 1 << 31), "torch": (1, 1 << 29)}   # kind: (l2s, most)
+ITEM_ROW_ELEMENTS = ITEM_ROWS + QUAD * PANEL   # an item's A rows and B columns, per row
+L2_BYTES = fused.l2_bytes() or 1 << 20
+
+
+def sequence_products_fit(program, rows, itemsize, work, l2=L2_BYTES):
+    """Whether SEQUENCE_PRODUCTS's bounds of `program` hold at T*N `rows`."""
+    l2s, most = SEQUENCE_PRODUCTS[program]
+    return rows * ITEM_ROW_ELEMENTS * itemsize <= l2s * l2 and work <= most
+
+
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).
 # Measured: bench/results/cpu-kernel-notes.md#threads-the-training-gemms-in-parts
 PARTS_WORK = 1 << 24
@@ -181,11 +195,10 @@ class CpuBackend:
         """out = a @ b, or a^T @ b: the op's large GEMMs. a @ b of OWN_GEMM_WORK or more
         multiply-adds on the micro-kernel where own_gemm; the rest on numpy's BLAS (in parts
         on helper threads in BLAS_IN_PARTS from PARTS_WORK), in a torch program past
-        HOST_GEMM_WORK on torch's GEMM and pool (OpenBLAS's spinning threads took a core from
-        its ops), a large float32 a^T @ b (OWN_GRADIENT_*) on the micro-kernel after torch's
-        transposing copy; an outer product (a^T @ b over one row) on the micro-kernel from
-        OUTER_OWN_ELEMENTS, else numpy's multiply. `pairs` (pair_scratch's uint32s, where
-        pair_products; half: bfloat16): on bfloat16 pairs; a_paired: `pairs` holds a's.
+        HOST_GEMM_WORK on torch's (OpenBLAS's spin took a core from its ops), a large float32
+        a^T @ b (OWN_GRADIENT_*) on the micro-kernel after torch's transposing copy; an outer
+        product (a^T @ b over one row) on it from OUTER_OWN_ELEMENTS, else numpy's multiply.
+        `pairs` (pair_scratch's, where pair_products): on bfloat16 pairs, `a_paired`: a's.
         Measured: bench/results/cpu-kernel-notes.md#gemm-the-training-gemms,
         bench/results/cpu-kernel-notes.md#threads-blas-on-one-thread"""
         if pairs is not None and half != "bfloat16":
@@ -233,6 +246,13 @@ class CpuBackend:
         low = STEP_PRODUCTS_WORK if TORCH_CALLER.get() is None else 0
         return low < work <= STEP_PRODUCTS_MOST and own_gemm(dtype) and \
             dtype in (np.float32, np.float64)
+
+    @staticmethod
+    def sequence_products(dtype, rows, work):
+        """step_products at T > 1: `rows` T*N, `work` the layer's largest GEMM's."""
+        program = "numpy" if TORCH_CALLER.get() is None else "torch"
+        return own_gemm(dtype) and dtype in (np.float32, np.float64) and \
+            sequence_products_fit(program, rows, dtype.itemsize, work)
 
     @staticmethod
     def products(jobs, dtype):

@@ -153,6 +153,10 @@ class FirstTierBackend:
         return False
 
     @staticmethod
+    def sequence_products(dtype, rows, work):
+        return False
+
+    @staticmethod
     def pair_projection(rows):
         return False
 

@@ -60,6 +60,11 @@ class GpuBackend:
         return False
 
     @staticmethod
+    def sequence_products(dtype, rows, work):
+        """Never, as step_products."""
+        return False
+
+    @staticmethod
     def pair_projection(rows):
         """Whether the op's input projection of `rows` (T*N) rows runs through matmul's
         `pairs` too, where pair_products holds: from halfgemm.MIN_PROJECTION_ROWS (the

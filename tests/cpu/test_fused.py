@@ -303,6 +303,41 @@ def test_a_single_steps_products_go_together_past_a_bound(monkeypatch, mode, dty
             assert rel_err(together, one_by_one) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode, projection, lengths", [
+    ("lstm", None, False), ("gru", None, True), ("rnn_relu", None, True), ("lstm", 3, True)])
+def test_a_sequences_products_go_together_within_the_bounds(monkeypatch, mode, projection,
+                                                            lengths, dtype):
+    """Within sequence_products' bounds a T > 1 backward's products (per direction dW_x,
+    dW_h and its first step's dh_0, then dx) run in one region per layer, with the
+    gradients of the products one by one (the rule's cases: test_backend). The projected
+    LSTM's per-step path keeps them apart."""
+    N = 7
+    case, kw, heads = make_case(mode, T=T, N=N, I=I, H=20, L=2, D=2, dtype=dtype, seed=7)
+    if projection:
+        kw["projection_size"] = projection
+        size = fusedrnn.param_size(input_size=I, **kw)
+        case["parameters"] = np.random.default_rng(8).uniform(-0.2, 0.2, size).astype(dtype)
+        case["state"] = case["state"][..., :projection]
+        heads["dout"] = heads["dout"][..., :2 * projection]
+        heads["dhy"] = heads["dhy"][..., :projection]
+    options = dict(sequence_length=LENGTHS[:N], use_sequence_length=True) if lengths else {}
+    calls, real = [], CpuBackend.products
+    monkeypatch.setattr(CpuBackend, "products", staticmethod(
+        lambda jobs, dtype: calls.append(len(jobs)) or real(jobs, dtype)))
+    grads = []
+    for bounds in ((1 << 40, 1 << 62), (0, 0)):   # within at any size, then never
+        monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", {"numpy": bounds, "torch": bounds})
+        fusedrnn.clear_cache()
+        grads.append(_run(case, kw, heads, options)[-4:])
+    own = (dtype == np.float32 or VECTOR_BITS == 512) and not projection
+    assert calls == ([2 * 3 + 1] * 2 if own else [])
+    for together, one_by_one in zip(*grads, strict=True):
+        assert (together is None) == (one_by_one is None)
+        if together is not None:
+            assert rel_err(together, one_by_one) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("clip_nan", [False, True])
 def test_op_single_step_matches_generic_path_with_lstm_clipping(monkeypatch, build,
                                                                 clip_nan):

@@ -103,6 +103,8 @@ class HostCudaBackend:
     astype = staticmethod(CPU.astype)
     pair_scratch = staticmethod(GpuBackend.pair_scratch)
     pair_projection = staticmethod(GpuBackend.pair_projection)
+    step_products = staticmethod(GpuBackend.step_products)
+    sequence_products = staticmethod(GpuBackend.sequence_products)
 
     def __init__(self, lib, persistent=None, threads=None, chunk=None, tile=1, slices=1,
                  mma_slices=None, half_gemms=False):

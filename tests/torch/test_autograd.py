@@ -299,10 +299,11 @@ def test_torch_transpose_copies_a_strided_view():
 @pytest.mark.parametrize("size", ["past HOST_GEMM_WORK", "small"])
 def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch, size):
     """In a fusedrnn.torch training step the CPU backend's GEMMs past HOST_GEMM_WORK and
-    below the micro-kernel's threshold reach torch's GEMM (CpuBackend.matmul's rule), a
-    small step's stay on numpy's, and the gradients still equal torch.nn's."""
-    from fusedrnn.cpu import HOST_GEMM_WORK
+    below the micro-kernel's threshold reach torch's GEMM (CpuBackend.matmul's rule; its
+    products apart), a small step's stay on numpy's, and the gradients equal torch.nn's."""
+    from fusedrnn.cpu import HOST_GEMM_WORK, CpuBackend
     from fusedrnn.torch import autograd
+    monkeypatch.setattr(CpuBackend, "sequence_products", staticmethod(lambda *a: False))
     T, N, I, H = (5, 3, 6, 7) if size == "small" else (8, 32, 64, 64)
     assert (T * N * 4 * H * I > HOST_GEMM_WORK) == (size != "small")
     calls = []
@@ -326,11 +327,13 @@ def test_a_torch_programs_training_gemms_run_on_torch(monkeypatch, size):
     assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_torch_programs_single_step_runs_its_products_together(monkeypatch, mode):
-    """A T=1 training step through fusedrnn.torch (float32, two bidirectional layers, small)
+def test_a_torch_programs_backward_runs_its_products_together(monkeypatch, mode, T):
+    """A training step through fusedrnn.torch (float32, two bidirectional layers, small)
     hands each layer's backward products to the CPU backend's `products` at once
-    (CpuBackend.step_products: in a torch program from any size), calls neither torch's GEMM
+    (CpuBackend.step_products at T=1: in a torch program from any size; sequence_products
+    past it, within its bounds), calls neither torch's GEMM
     nor the backend's one-by-one matmul, enters no BLAS scope (no numpy GEMM is left to
     scope; the op is built with one, BLAS_SERIAL_WORK lowered), and its gradients (input,
     states, parameters) equal torch.nn's in float64 within float32's rounding."""
@@ -357,11 +360,13 @@ def test_a_torch_programs_single_step_runs_its_products_together(monkeypatch, mo
     grads = []
     for module, dtype in ((ref, torch.float64), (mine, torch.float32)):
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(1, 3, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        x = torch.randn(T, 3, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
         h0 = torch.randn(4, 3, 7, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
         hx = (h0, torch.zeros_like(h0)) if CELLS[mode].has_cell_state else h0
         calls.clear()
         out, _ = module(x, hx)
+        if T > 1:   # (the loop's input projection: the forward's, not the products')
+            calls.clear()
         out.square().sum().backward()
         grads.append([x.grad, h0.grad] + [p.grad for p in module.parameters()])
     fusedrnn.clear_cache()   # (its op holds the lowered bound's scope)

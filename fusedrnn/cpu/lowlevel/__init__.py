@@ -32,7 +32,7 @@ process may override before it compiles a tile (tile_settings() reads it).
 from .microkernel import PANEL, VECTOR_BITS, panel_gemm, panel_gemm_t, row_dots, tile_settings
 
 # isort: split
-from .batched import job_rows, products
+from .batched import ITEM_ROWS, QUAD, job_rows, products
 from .bf16 import HAS_BF16, pack_pairs, panel_gemm_bf16, panel_gemm_bf16_bias, panel_gemm_bf16_cols
 from .bf16gemm import (
     bf16_bits,
@@ -65,7 +65,7 @@ from .workshare import (
     team_wait,
 )
 
-__all__ = ["CHUNK", "HAS_BF16", "IDLE", "LINE", "PANEL", "POSTED", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
+__all__ = ["CHUNK", "HAS_BF16", "IDLE", "ITEM_ROWS", "LINE", "PANEL", "POSTED", "QUAD", "VECTOR_BITS", "bf16_bits", "claim", "f16_bits",
            "f16_value", "fast_exp", "finish", "hold_launcher", "interleave_rows", "job_rows",
            "narrow",
            "narrow_f16", "new_counters", "one_like", "pack_input_pairs", "pack_input_weights",
