@@ -69,9 +69,18 @@ def step_products_most(kind):
 
 STEP_PRODUCTS_MOST = step_products_most(llvm.get_host_cpu_name())
 # A longer sequence's (T*N rows): while an item's A and B strips fit `l2s` cores' L2s and
-# its largest GEMM has at most `most` multiply-adds, by program kind.
+# its largest GEMM has at most `most` multiply-adds, by program; on CPU kinds measured.
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-sequences-backward-in-one-region
-SEQUENCE_PRODUCTS = {"numpy": (2, 1 << 31), "torch": (1, 1 << 29)}   # kind: (l2s, most)
+SEQUENCE_PRODUCTS_BY_KIND = {"znver5": {"numpy": (2, 1 << 31), "torch": (1, 1 << 29)}}
+APART = {"numpy": (0, 0), "torch": (0, 0)}   # program: (l2s, most)
+
+
+def sequence_products_bounds(kind):
+    """SEQUENCE_PRODUCTS on a CPU of LLVM name `kind`."""
+    return SEQUENCE_PRODUCTS_BY_KIND.get(kind, APART)
+
+
+SEQUENCE_PRODUCTS = sequence_products_bounds(llvm.get_host_cpu_name())
 ITEM_ROW_ELEMENTS = ITEM_ROWS + QUAD * PANEL   # an item's A rows and B columns, per row
 L2_BYTES = fused.l2_bytes() or 1 << 20
 

@@ -221,10 +221,11 @@ def test_the_single_steps_upper_bound_is_this_machines():
 @pytest.mark.parametrize("l2", [1 << 19, 1 << 20])
 @pytest.mark.parametrize("itemsize", [4, 8])
 @pytest.mark.parametrize("program", ["numpy", "torch"])
-def test_a_sequences_products_fit_their_bounds(program, itemsize, l2):
-    """sequence_products_fit: T*N rows up to where an item's A and B strips (ITEM_ROWS +
-    QUAD panels of elements per row) fill SEQUENCE_PRODUCTS's number of L2s, and the
-    largest GEMM up to its `most` multiply-adds, whichever binds first."""
+def test_a_sequences_products_fit_their_bounds(monkeypatch, program, itemsize, l2):
+    """sequence_products_fit (Zen 5's bounds, on any kind): T*N rows up to where an item's A
+    and B strips (ITEM_ROWS + QUAD panels of elements per row) fill the bounds' number of
+    L2s, and the largest GEMM up to its `most` multiply-adds, whichever binds first."""
+    monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", cpu.sequence_products_bounds("znver5"))
     l2s, most = cpu.SEQUENCE_PRODUCTS[program]
     rows = l2s * l2 // ((cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * itemsize)
     fit = [cpu.sequence_products_fit(program, r, itemsize, w, l2)
@@ -232,21 +233,32 @@ def test_a_sequences_products_fit_their_bounds(program, itemsize, l2):
     assert fit == [True, False, False, True]
 
 
-def test_a_torch_programs_sequence_bounds_are_the_tighter():
-    """A torch program's GEMMs (torch's own) overtake the products sooner than numpy's."""
-    numpy_bounds, torch_bounds = cpu.SEQUENCE_PRODUCTS["numpy"], cpu.SEQUENCE_PRODUCTS["torch"]
-    assert all(t < n for t, n in zip(torch_bounds, numpy_bounds, strict=True))
-    assert cpu.L2_BYTES == (cpu.fused.l2_bytes() or 1 << 20)
+@pytest.mark.parametrize("kind, on", [("znver5", True), ("znver3", False), ("rocketlake", False)])
+def test_a_sequences_bounds_by_cpu_kind(monkeypatch, kind, on):
+    """Measured kinds have their bounds, a torch program's (torch's GEMMs apart) the tighter;
+    other kinds run even the smallest sequence's products apart. This machine's are its
+    kind's."""
+    import llvmlite.binding as llvm
+    assert cpu.SEQUENCE_PRODUCTS == cpu.sequence_products_bounds(llvm.get_host_cpu_name())
+    bounds = cpu.sequence_products_bounds(kind)
+    if on:
+        assert all(t < n for t, n in zip(bounds["torch"], bounds["numpy"], strict=True))
+    monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", bounds)
+    assert [cpu.sequence_products_fit(p, 1, 4, 1) for p in ("numpy", "torch")] == [on, on]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
-def test_a_sequences_products_go_together_by_program(dtype):
-    """sequence_products: float32, and float64 on 512-bit tiles, where its program's bounds
-    hold at this machine's L2; never another dtype."""
+def test_a_sequences_products_go_together_by_program(monkeypatch, dtype):
+    """sequence_products with Zen 5's bounds: float32, and float64 on 512-bit tiles, where
+    its program's bounds hold at this machine's L2; never another dtype."""
+    bounds = cpu.sequence_products_bounds("znver5")
+    monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", bounds)
     dtype = np.dtype(dtype)
     own = dtype == np.float32 or (dtype == np.float64 and VECTOR_BITS == 512)
-    rows = 2 * cpu.L2_BYTES // ((cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * dtype.itemsize)
-    # rows past a torch program's L2 and within a numpy program's two, at either's `most`
+    per_row = (cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * dtype.itemsize
+    rows = bounds["numpy"][0] * cpu.L2_BYTES // per_row
+    assert 64 <= bounds["torch"][0] * cpu.L2_BYTES // per_row < rows   # (the cases below)
+    # rows past a torch program's L2s and within a numpy program's, at either's `most`
     cases = [(64, 1 << 20), (rows, 1 << 20), (rows + 1, 1 << 20), (64, 1 << 30)]
     assert [CpuBackend.sequence_products(dtype, r, w) for r, w in cases] == \
         [own, own, False, own]

@@ -333,7 +333,7 @@ def test_a_torch_programs_backward_runs_its_products_together(monkeypatch, mode,
     """A training step through fusedrnn.torch (float32, two bidirectional layers, small)
     hands each layer's backward products to the CPU backend's `products` at once
     (CpuBackend.step_products at T=1: in a torch program from any size; sequence_products
-    past it, within its bounds), calls neither torch's GEMM
+    past it, within Zen 5's bounds on any kind), calls neither torch's GEMM
     nor the backend's one-by-one matmul, enters no BLAS scope (no numpy GEMM is left to
     scope; the op is built with one, BLAS_SERIAL_WORK lowered), and its gradients (input,
     states, parameters) equal torch.nn's in float64 within float32's rounding."""
@@ -341,6 +341,7 @@ def test_a_torch_programs_backward_runs_its_products_together(monkeypatch, mode,
     from fusedrnn.cpu import threads
     from fusedrnn.torch import autograd
     monkeypatch.setattr(cpu, "BLAS_SERIAL_WORK", 0)   # (else this size's op has no scope)
+    monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", cpu.sequence_products_bounds("znver5"))
     fusedrnn.clear_cache()
     calls = []
     for owner, name in ((cpu.CpuBackend, "products"), (cpu.CpuBackend, "matmul"),

@@ -1,11 +1,12 @@
-"""A single step's backward GEMMs in one parallel region, B read where it lies.
+"""A single step's backward GEMMs (a layer's, within bounds) in one region, B read in place.
 
 At T=1 dx = dG @ W_x, dh_0 = dG @ W_h, dW_x = dG^T @ x and dW_h = dG^T @ h_0 are each too
 small to pay a launch (a sleeping helper's wake each, or OpenBLAS's workers spinning
 after), and packing W whole reads it twice: here they share one region's work items, B
 read in place (panel_gemm_free) or a strip packed per item (_packs; by columns A's too).
 Measured: bench/results/cpu-kernel-notes.md#batched-a-single-steps-backward-in-one-region,
-bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed
+bench/results/cpu-kernel-notes.md#batched-the-weight-gradients-packed,
+bench/results/cpu-kernel-notes.md#batched-a-sequences-backward-in-one-region
 
 products(jobs, items, like, work, team=None)
     jobs   (P, JOB) int64, a row per C = A @ B (job_rows): [a, lda, M, b, ldb, C, c, ldc,
