@@ -68,11 +68,11 @@ def step_products_most(kind):
 
 
 STEP_PRODUCTS_MOST = step_products_most(llvm.get_host_cpu_name())
-# A longer sequence's (T*N rows): while an item's A and B strips fit `l2s` cores' L2s and
+# A longer sequence's (T*N rows): while an item's A and B strips fit `caches` cores' L2 and
 # its largest GEMM has at most `most` multiply-adds, by program; on CPU kinds measured.
 # Measured: bench/results/cpu-kernel-notes.md#batched-a-sequences-backward-in-one-region
 SEQUENCE_PRODUCTS_BY_KIND = {"znver5": {"numpy": (2, 1 << 31), "torch": (1, 1 << 29)}}
-APART = {"numpy": (0, 0), "torch": (0, 0)}   # program: (l2s, most)
+APART = {"numpy": (0, 0), "torch": (0, 0)}   # program: (caches, most)
 
 
 def sequence_products_bounds(kind):
@@ -87,8 +87,8 @@ L2_BYTES = fused.l2_bytes() or 1 << 20
 
 def sequence_products_fit(program, rows, itemsize, work, l2=L2_BYTES):
     """Whether SEQUENCE_PRODUCTS's bounds of `program` hold at T*N `rows`."""
-    l2s, most = SEQUENCE_PRODUCTS[program]
-    return rows * ITEM_ROW_ELEMENTS * itemsize <= l2s * l2 and work <= most
+    caches, most = SEQUENCE_PRODUCTS[program]
+    return rows * ITEM_ROW_ELEMENTS * itemsize <= caches * l2 and work <= most
 
 
 # A GEMM this large or more runs in parts inside BLAS_IN_PARTS (smaller ones gained nothing).

@@ -224,10 +224,10 @@ def test_the_single_steps_upper_bound_is_this_machines():
 def test_a_sequences_products_fit_their_bounds(monkeypatch, program, itemsize, l2):
     """sequence_products_fit (Zen 5's bounds, on any kind): T*N rows up to where an item's A
     and B strips (ITEM_ROWS + QUAD panels of elements per row) fill the bounds' number of
-    L2s, and the largest GEMM up to its `most` multiply-adds, whichever binds first."""
+    L2 caches, and the largest GEMM up to its `most` multiply-adds, whichever binds first."""
     monkeypatch.setattr(cpu, "SEQUENCE_PRODUCTS", cpu.sequence_products_bounds("znver5"))
-    l2s, most = cpu.SEQUENCE_PRODUCTS[program]
-    rows = l2s * l2 // ((cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * itemsize)
+    caches, most = cpu.SEQUENCE_PRODUCTS[program]
+    rows = caches * l2 // ((cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * itemsize)
     fit = [cpu.sequence_products_fit(program, r, itemsize, w, l2)
            for r, w in ((rows, most), (rows + 1, 1), (1, most + 1), (1, 1))]
     assert fit == [True, False, False, True]
@@ -258,7 +258,7 @@ def test_a_sequences_products_go_together_by_program(monkeypatch, dtype):
     per_row = (cpu.ITEM_ROWS + cpu.QUAD * cpu.PANEL) * dtype.itemsize
     rows = bounds["numpy"][0] * cpu.L2_BYTES // per_row
     assert 64 <= bounds["torch"][0] * cpu.L2_BYTES // per_row < rows   # (the cases below)
-    # rows past a torch program's L2s and within a numpy program's, at either's `most`
+    # rows past a torch program's L2 caches and within a numpy program's, at either's `most`
     cases = [(64, 1 << 20), (rows, 1 << 20), (rows + 1, 1 << 20), (64, 1 << 30)]
     assert [CpuBackend.sequence_products(dtype, r, w) for r, w in cases] == \
         [own, own, False, own]
